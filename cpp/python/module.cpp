@@ -1,0 +1,34 @@
+// tallow._core: the pybind11 module. Errors from the core become Python exceptions of the same name.
+#include <pybind11/pybind11.h>
+
+#include "core/error.h"
+#include "core/parallel.h"
+
+namespace py = pybind11;
+
+void bind_tensor(py::module_& m);
+void bind_ops(py::module_& m);
+void bind_backends(py::module_& m);
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "tallow's C++ core: tensors and ops";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const tallow::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const tallow::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const tallow::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const tallow::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    }
+  });
+  m.def("get_num_threads", &tallow::get_num_threads, "Threads used by CPU kernels");
+  m.def("set_num_threads", &tallow::set_num_threads, py::arg("n"),
+        "Set the threads used by CPU kernels (n <= 0: all cores, or TALLOW_NUM_THREADS)");
+  bind_tensor(m);
+  bind_ops(m);
+  bind_backends(m);
+}

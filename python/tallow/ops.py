@@ -1,0 +1,21 @@
+"""The core ops, as functions over tallow.Tensor (see cpp/ops/*.h for each contract)."""
+from tallow._core import (  # noqa: F401
+    add,
+    argmax,
+    attention,
+    cast,
+    dequantize,
+    embedding,
+    fused_add_rms_norm,
+    gelu_and_mul,
+    layer_norm,
+    linear,
+    matmul,
+    mul,
+    rms_norm,
+    rotary_embedding,
+    scale,
+    silu_and_mul,
+    softmax,
+    topk,
+)

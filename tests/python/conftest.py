@@ -1,0 +1,31 @@
+import os
+import pathlib
+import secrets
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def data_dir() -> pathlib.Path:
+    """Real test data (models, vocabularies, templates): TALLOW_TEST_DATA, default ../shared/data."""
+    return pathlib.Path(os.environ.get("TALLOW_TEST_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture
+def shared_data() -> pathlib.Path:
+    d = data_dir()
+    if not d.is_dir():
+        pytest.skip(f"real test data not found at {d} (set TALLOW_TEST_DATA)")
+    return d
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """Fresh random inputs every run; the seed is printed on failure so a run can be repeated
+    with TALLOW_TEST_SEED=<seed>."""
+    seed = int(os.environ.get("TALLOW_TEST_SEED", secrets.randbits(32)))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
