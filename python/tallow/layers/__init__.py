@@ -1,0 +1,1 @@
+"""Model building blocks shared by the model files."""

@@ -1,0 +1,1 @@
+"""Everything from "a model name or path" to config + weights as tallow tensors."""
