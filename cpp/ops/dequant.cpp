@@ -1,10 +1,363 @@
+// GGUF block dequantization, bit-exact with ggml's dequantize_row_* (and the gguf package's numpy
+// dequantizers). Block layouts follow ggml-common.h (all little-endian, byte offsets below):
+//   Q4_0 (18 B / 32):  f16 d | u8 qs[16]                     y = d * ((q & 15) - 8)
+//   Q4_1 (20 B / 32):  f16 d | f16 m | u8 qs[16]             y = d * q + m
+//   Q5_0 (22 B / 32):  f16 d | u32 qh | u8 qs[16]            y = d * (q5 - 16)
+//   Q5_1 (24 B / 32):  f16 d | f16 m | u32 qh | u8 qs[16]    y = d * q5 + m
+//   Q8_0 (34 B / 32):  f16 d | i8 qs[32]                     y = d * q
+//   Q8_1 (36 B / 32):  f16 d | f16 s | i8 qs[32]             y = d * q
+//   Q2_K (84 B / 256): u8 scales[16] | u8 qs[64] | f16 d | f16 dmin
+//   Q3_K (110 B / 256): u8 hmask[32] | u8 qs[64] | u8 scales[12] | f16 d
+//   Q4_K (144 B / 256): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]
+//   Q5_K (176 B / 256): f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
+//   Q6_K (210 B / 256): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
+//   Q8_K (292 B / 256): f32 d | i8 qs[256] | i16 bsums[16]   y = d * q
+//
+// Bit-exactness needs every product and sum rounded separately, as ggml's C source (and numpy)
+// writes them: `dl * q - ml` must not become a fused multiply-add, which GCC would otherwise do
+// in the AVX2/AVX-512 clones (GNU C++ defaults to -ffp-contract=fast).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "core/simd.h"
 #include "ops/cast.h"
 #include "ops/common.h"
+#include "ops/dequant_row.h"
+#include "ops/rows.h"
 
 namespace tallow::ops {
 
+namespace {
+
+inline float load_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+inline float load_f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return u;
+}
+
+// ---- 32-element blocks -------------------------------------------------------------------------
+
+TALLOW_SIMD_CLONES void deq_q4_0(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 18, y += 32) {
+    const float d = load_f16(x);
+    const uint8_t* qs = x + 2;
+    TALLOW_PRAGMA_SIMD
+    for (int j = 0; j < 16; ++j) {
+      y[j] = (float)((int)(qs[j] & 0x0F) - 8) * d;
+      y[j + 16] = (float)((int)(qs[j] >> 4) - 8) * d;
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q4_1(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 20, y += 32) {
+    const float d = load_f16(x), m = load_f16(x + 2);
+    const uint8_t* qs = x + 4;
+    TALLOW_PRAGMA_SIMD
+    for (int j = 0; j < 16; ++j) {
+      y[j] = (float)(qs[j] & 0x0F) * d + m;
+      y[j + 16] = (float)(qs[j] >> 4) * d + m;
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q5_0(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 22, y += 32) {
+    const float d = load_f16(x);
+    const uint32_t qh = load_u32(x + 2);
+    const uint8_t* qs = x + 6;
+    TALLOW_PRAGMA_SIMD
+    for (int j = 0; j < 16; ++j) {
+      const int h0 = (int)((qh >> j) << 4) & 0x10;
+      const int h1 = (int)(qh >> (j + 12)) & 0x10;
+      y[j] = (float)(((int)(qs[j] & 0x0F) | h0) - 16) * d;
+      y[j + 16] = (float)(((int)(qs[j] >> 4) | h1) - 16) * d;
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q5_1(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 24, y += 32) {
+    const float d = load_f16(x), m = load_f16(x + 2);
+    const uint32_t qh = load_u32(x + 4);
+    const uint8_t* qs = x + 8;
+    TALLOW_PRAGMA_SIMD
+    for (int j = 0; j < 16; ++j) {
+      const int h0 = (int)((qh >> j) << 4) & 0x10;
+      const int h1 = (int)(qh >> (j + 12)) & 0x10;
+      y[j] = (float)((int)(qs[j] & 0x0F) | h0) * d + m;
+      y[j + 16] = (float)((int)(qs[j] >> 4) | h1) * d + m;
+    }
+  }
+}
+
+// Q8_0 (type_size 34) and Q8_1 (36: d, then the s = d * sum(q) field that dequantization ignores).
+template <int kTypeSize, int kQsOffset>
+TALLOW_SIMD_CLONES void deq_q8_x(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += kTypeSize, y += 32) {
+    const float d = load_f16(x);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(x + kQsOffset);
+    TALLOW_PRAGMA_SIMD
+    for (int j = 0; j < 32; ++j) y[j] = (float)qs[j] * d;
+  }
+}
+
+// ---- 256-element super-blocks (k-quants) ------------------------------------------------------
+
+TALLOW_SIMD_CLONES void deq_q2_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 84, y += 256) {
+    const uint8_t* sc = x;
+    const uint8_t* qs = x + 16;
+    const float d = load_f16(x + 80), dmin = load_f16(x + 82);
+    for (int h = 0; h < 2; ++h) {          // two halves of 128 share 32 bytes of qs
+      const uint8_t* q = qs + 32 * h;
+      for (int s = 0; s < 4; ++s) {        // 2-bit field `s` of each byte
+        for (int k = 0; k < 2; ++k) {      // 16 elements per scale
+          const uint8_t scb = sc[8 * h + 2 * s + k];
+          const float dl = d * (float)(scb & 0x0F), ml = dmin * (float)(scb >> 4);
+          float* out = y + 128 * h + 32 * s + 16 * k;
+          const uint8_t* qq = q + 16 * k;
+          TALLOW_PRAGMA_SIMD
+          for (int l = 0; l < 16; ++l) out[l] = dl * (float)((qq[l] >> (2 * s)) & 3) - ml;
+        }
+      }
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q3_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 110, y += 256) {
+    const uint8_t* hm = x;
+    const uint8_t* qs = x + 32;
+    const uint8_t* sb = x + 96;
+    const float d_all = load_f16(x + 108);
+    // 16 six-bit scales: low nibbles from bytes 0..7, high 2 bits from bytes 8..11.
+    int sc[16];
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (i < 8 ? sb[i] : sb[i - 8] >> 4) & 0x0F;
+      const int hi = (sb[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+      sc[i] = (lo | (hi << 4)) - 32;
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* q = qs + 32 * h;
+      for (int s = 0; s < 4; ++s) {
+        const int bit = 4 * h + s;  // hmask bit of this group of 32
+        for (int k = 0; k < 2; ++k) {
+          const float dl = d_all * (float)sc[8 * h + 2 * s + k];
+          float* out = y + 128 * h + 32 * s + 16 * k;
+          const uint8_t* qq = q + 16 * k;
+          const uint8_t* hh = hm + 16 * k;
+          TALLOW_PRAGMA_SIMD
+          for (int l = 0; l < 16; ++l) {
+            const int v = (int)((qq[l] >> (2 * s)) & 3) - (((hh[l] >> bit) & 1) ? 0 : 4);
+            out[l] = dl * (float)v;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The 8 six-bit (scale, min) pairs of Q4_K/Q5_K (ggml's get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q4_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 144, y += 256) {
+    const float d = load_f16(x), dmin = load_f16(x + 2);
+    const uint8_t* scales = x + 4;
+    const uint8_t* qs = x + 16;
+    for (int g = 0; g < 4; ++g) {  // 64 elements: low nibbles then high nibbles of 32 bytes
+      int sc1, m1, sc2, m2;
+      scale_min_k4(scales, 2 * g, sc1, m1);
+      scale_min_k4(scales, 2 * g + 1, sc2, m2);
+      const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
+      const float d2 = d * (float)sc2, dm2 = dmin * (float)m2;
+      const uint8_t* q = qs + 32 * g;
+      float* out = y + 64 * g;
+      TALLOW_PRAGMA_SIMD
+      for (int l = 0; l < 32; ++l) {
+        out[l] = d1 * (float)(q[l] & 0x0F) - dm1;
+        out[l + 32] = d2 * (float)(q[l] >> 4) - dm2;
+      }
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q5_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 176, y += 256) {
+    const float d = load_f16(x), dmin = load_f16(x + 2);
+    const uint8_t* scales = x + 4;
+    const uint8_t* qh = x + 16;
+    const uint8_t* qs = x + 48;
+    for (int g = 0; g < 4; ++g) {
+      int sc1, m1, sc2, m2;
+      scale_min_k4(scales, 2 * g, sc1, m1);
+      scale_min_k4(scales, 2 * g + 1, sc2, m2);
+      const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
+      const float d2 = d * (float)sc2, dm2 = dmin * (float)m2;
+      const uint8_t* q = qs + 32 * g;
+      float* out = y + 64 * g;
+      TALLOW_PRAGMA_SIMD
+      for (int l = 0; l < 32; ++l) {
+        const int v1 = (int)(q[l] & 0x0F) | (((qh[l] >> (2 * g)) & 1) << 4);
+        const int v2 = (int)(q[l] >> 4) | (((qh[l] >> (2 * g + 1)) & 1) << 4);
+        out[l] = d1 * (float)v1 - dm1;
+        out[l + 32] = d2 * (float)v2 - dm2;
+      }
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q6_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 210, y += 256) {
+    const float d = load_f16(x + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(x + 192);
+    for (int h = 0; h < 2; ++h) {  // 128 elements from 64 bytes of ql and 32 of qh
+      const uint8_t* ql = x + 64 * h;
+      const uint8_t* qh = x + 128 + 32 * h;
+      float* out = y + 128 * h;
+      for (int k = 0; k < 2; ++k) {  // l in [16k, 16k + 16) uses scales 8h + k + {0, 2, 4, 6}
+        const float s1 = d * (float)sc[8 * h + k], s2 = d * (float)sc[8 * h + k + 2];
+        const float s3 = d * (float)sc[8 * h + k + 4], s4 = d * (float)sc[8 * h + k + 6];
+        TALLOW_PRAGMA_SIMD
+        for (int l = 16 * k; l < 16 * k + 16; ++l) {
+          const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          out[l] = s1 * (float)q1;
+          out[l + 32] = s2 * (float)q2;
+          out[l + 64] = s3 * (float)q3;
+          out[l + 96] = s4 * (float)q4;
+        }
+      }
+    }
+  }
+}
+
+TALLOW_SIMD_CLONES void deq_q8_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 292, y += 256) {
+    const float d = load_f32(x);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(x + 4);
+    TALLOW_PRAGMA_SIMD
+    for (int j = 0; j < 256; ++j) y[j] = (float)qs[j] * d;
+  }
+}
+
+using RowFn = void (*)(const uint8_t*, float*, int64_t);
+
+RowFn row_fn(DType t) {
+  switch (t) {
+    case DType::Q4_0: return deq_q4_0;
+    case DType::Q4_1: return deq_q4_1;
+    case DType::Q5_0: return deq_q5_0;
+    case DType::Q5_1: return deq_q5_1;
+    case DType::Q8_0: return deq_q8_x<34, 2>;
+    case DType::Q8_1: return deq_q8_x<36, 4>;
+    case DType::Q2_K: return deq_q2_k;
+    case DType::Q3_K: return deq_q3_k;
+    case DType::Q4_K: return deq_q4_k;
+    case DType::Q5_K: return deq_q5_k;
+    case DType::Q6_K: return deq_q6_k;
+    case DType::Q8_K: return deq_q8_k;
+    default: return nullptr;
+  }
+}
+
+template <class T>
+TALLOW_SIMD_CLONES void store_row(const float* TALLOW_RESTRICT s, T* TALLOW_RESTRICT d, int64_t n) {
+  TALLOW_PRAGMA_SIMD
+  for (int64_t i = 0; i < n; ++i) d[i] = from_f32<T>(s[i]);
+}
+
+constexpr int64_t kSeg = 4096;  // elements per work item (whole 256-element super-blocks)
+
+// nb blocks of bs elements at src -> dst in T (f32 directly; f16/bf16 through an f32 buffer).
+template <class T>
+void write_segment(RowFn fn, const uint8_t* src, T* dst, int64_t nb, int64_t bs) {
+  if constexpr (std::is_same_v<T, float>) {
+    fn(src, dst, nb);
+  } else {
+    alignas(64) float buf[kSeg];
+    fn(src, buf, nb);
+    store_row<T>(buf, dst, nb * bs);
+  }
+}
+
+}  // namespace
+
+void dequantize_row_f32(DType dtype, const void* src, float* dst, int64_t n) {
+  const RowFn fn = row_fn(dtype);
+  TALLOW_CHECK_TYPE(fn, "dequantize_row_f32: ", dtype_name(dtype), " is not a GGUF block dtype");
+  const int64_t bs = dtype_block_size(dtype);
+  TALLOW_CHECK(n % bs == 0, "dequantize_row_f32: ", n, " elements is not a whole number of ", dtype_name(dtype),
+               " blocks of ", bs);
+  fn(static_cast<const uint8_t*>(src), dst, n / bs);
+}
+
 Tensor dequantize(const Tensor& q, DType dtype) {
-  throw NotImplementedError(str_cat("dequantize: not implemented yet for ", dtype_name(q.dtype())));
+  check_defined("dequantize", q, "q");
+  TALLOW_CHECK_TYPE(is_block_dtype(q.dtype()), "dequantize: q must be a GGUF block dtype (q4_0 ... q8_k), got ",
+                    dtype_name(q.dtype()), " tensor of shape ", shape_str(q.shape()));
+  TALLOW_CHECK_TYPE(dtype == DType::F32 || dtype == DType::F16 || dtype == DType::BF16,
+                    "dequantize: output dtype must be float32, float16 or bfloat16, got ", dtype_name(dtype), " (for ",
+                    dtype_name(q.dtype()), " tensor of shape ", shape_str(q.shape()), ")");
+  const int64_t bs = dtype_block_size(q.dtype()), ts = dtype_type_size(q.dtype());
+  TALLOW_CHECK(q.dim() >= 1 && q.size(-1) % bs == 0, "dequantize: last dimension of ", dtype_name(q.dtype()),
+               " tensor of shape ", shape_str(q.shape()), " must be a multiple of its block size ", bs);
+  TALLOW_CHECK(q.size(-1) <= 1 || q.stride(-1) == 1, "dequantize: ", dtype_name(q.dtype()), " tensor of shape ",
+               shape_str(q.shape()), " and strides ", shape_str(q.strides()),
+               " must be contiguous along the last dimension");
+  if (!q.device().is_cpu()) unsupported_device("dequantize", q);
+
+  Tensor o = Tensor::empty(q.shape(), dtype, q.device());
+  const int64_t rows = num_rows(q), K = q.size(-1);
+  if (rows == 0 || K == 0) return o;
+
+  // Work items: segments of up to kSeg elements (whole 256-element super-blocks) of each row, so
+  // a few long rows still spread over all threads.
+  const int64_t segs = (K + kSeg - 1) / kSeg;
+  const RowFn fn = row_fn(q.dtype());
+  const uint8_t* base = static_cast<const uint8_t*>(q.storage()->data());
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::min(K, kSeg));
+
+  TALLOW_DISPATCH_FLOAT("dequantize", dtype, [&] {
+    scalar_t* out = o.data<scalar_t>();
+    parallel_for(0, rows * segs, grain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / segs, c0 = (i % segs) * kSeg, n = std::min(kSeg, K - c0);
+        write_segment<scalar_t>(fn, base + (row_offset(q, r) + c0) / bs * ts, out + r * K + c0, n / bs, bs);
+      }
+    });
+  });
+  return o;
 }
 
 }  // namespace tallow::ops
