@@ -20,16 +20,15 @@
 // empty softmax; its output is defined as zeros (not NaN), matching what kernels that skip
 // fully-masked rows produce.
 //
-// Work is split over (batch, query head, block of kQueryBlock queries). Within a block, f16/bf16
-// K/V rows are converted to f32 once into scratch and then shared by the block's queries; f32 K/V
-// is read in place. Scores are kept in a per-query buffer (two-pass softmax: max, then exp/sum),
+// Work is split over (batch, query head, block of kQueryBlock queries). Within a block, the K/V
+// rows the block can see are converted to f32 once into compact scratch and shared by the block's
+// queries (for f32 this is a copy, which keeps the hot rows contiguous in cache). Scores are kept in a per-query buffer (two-pass softmax: max, then exp/sum),
 // which is simpler to check than an online softmax and costs O(Tk) floats of scratch.
 #include "ops/attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "core/parallel.h"
@@ -39,9 +38,11 @@
 // `omp simd` with a sum reduction (simd.h has the plain form only).
 #if defined(_MSC_VER) && !defined(__clang__)
 #define ATTN_SIMD_SUM(x) __pragma(omp simd reduction(+ : x))
+#define ATTN_SIMD_SUM4(a, b, c, d) __pragma(omp simd reduction(+ : a, b, c, d))
 #else
 #define ATTN_PRAGMA(x) _Pragma(#x)
 #define ATTN_SIMD_SUM(x) ATTN_PRAGMA(omp simd reduction(+ : x))
+#define ATTN_SIMD_SUM4(a, b, c, d) ATTN_PRAGMA(omp simd reduction(+ : a, b, c, d))
 #endif
 
 namespace tallow::ops {
@@ -94,30 +95,23 @@ TALLOW_SIMD_CLONES void attend_block(const Problem& P, int64_t b, int64_t h, int
   visible_range(P, P.Tk - P.Tq + (i1 - 1), tmp, bhi);
   bhi = std::max(bhi, blo);
 
-  // f32 rows of K and V for keys [blo, bhi): row j at kf + j * kst (index from key 0).
-  const float* kf;
-  const float* vf;
-  int64_t kst, vst;
-  if constexpr (std::is_same_v<T, float>) {
-    kf = kbase, kst = P.k.st;
-    vf = vbase, vst = P.v.st;
-  } else {
-    const int64_t n = bhi - blo;
-    kbuf.resize((size_t)std::max<int64_t>(n * D, 1));
-    vbuf.resize((size_t)std::max<int64_t>(n * Dv, 1));
-    for (int64_t j = 0; j < n; ++j) {
-      const T* ks = kbase + (blo + j) * P.k.st;
-      const T* vs = vbase + (blo + j) * P.v.st;
-      float* kd = kbuf.data() + j * D;
-      float* vd = vbuf.data() + j * Dv;
-      TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < D; ++d) kd[d] = to_f32(ks[d]);
-      TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < Dv; ++d) vd[d] = to_f32(vs[d]);
-    }
-    kf = kbuf.data() - blo * D, kst = D;  // so that row j is still at kf + j * kst
-    vf = vbuf.data() - blo * Dv, vst = Dv;
+  // Copy (converting to f32) the K and V rows of keys [blo, bhi) into compact scratch, shared by
+  // the block's queries: key j's rows are at kf + (j - blo) * D and vf + (j - blo) * Dv.
+  const int64_t n = bhi - blo;
+  kbuf.resize((size_t)std::max<int64_t>(n * D, 1));
+  vbuf.resize((size_t)std::max<int64_t>(n * Dv, 1));
+  for (int64_t j = 0; j < n; ++j) {
+    const T* TALLOW_RESTRICT ks = kbase + (blo + j) * P.k.st;
+    const T* TALLOW_RESTRICT vs = vbase + (blo + j) * P.v.st;
+    float* TALLOW_RESTRICT kd = kbuf.data() + j * D;
+    float* TALLOW_RESTRICT vd = vbuf.data() + j * Dv;
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < D; ++d) kd[d] = to_f32(ks[d]);
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) vd[d] = to_f32(vs[d]);
   }
+  const float* kf = kbuf.data();
+  const float* vf = vbuf.data();
 
   qf.resize((size_t)D);
   acc.resize((size_t)std::max<int64_t>(Dv, 1));
@@ -134,33 +128,59 @@ TALLOW_SIMD_CLONES void attend_block(const Problem& P, int64_t b, int64_t h, int
     const T* qs = qbase + i * P.q.st;
     TALLOW_PRAGMA_SIMD
     for (int64_t d = 0; d < D; ++d) qv[d] = to_f32(qs[d]);
+    const int64_t nk = hi - lo;
+    const float* kr = kf + (lo - blo) * D;  // this query's first visible key, then nk rows
+    const float* vr = vf + (lo - blo) * Dv;
 
-    // Pass 1: scaled (and soft-capped) scores and their maximum.
-    scores.resize((size_t)(hi - lo));
+    // Pass 1: dot products q.k_j, four keys at a time (independent sums hide FMA latency).
+    scores.resize((size_t)nk);
     float* TALLOW_RESTRICT s = scores.data();
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+      const float *k0 = kr + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+      float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+      ATTN_SIMD_SUM4(d0, d1, d2, d3)
+      for (int64_t d = 0; d < D; ++d) {
+        d0 += qv[d] * k0[d];
+        d1 += qv[d] * k1[d];
+        d2 += qv[d] * k2[d];
+        d3 += qv[d] * k3[d];
+      }
+      s[j] = d0, s[j + 1] = d1, s[j + 2] = d2, s[j + 3] = d3;
+    }
+    for (; j < nk; ++j) {
+      const float* k0 = kr + j * D;
+      float d0 = 0.0f;
+      ATTN_SIMD_SUM(d0)
+      for (int64_t d = 0; d < D; ++d) d0 += qv[d] * k0[d];
+      s[j] = d0;
+    }
+    // Scale, soft-cap, and the maximum for a stable softmax.
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = lo; j < hi; ++j) {
-      const float* TALLOW_RESTRICT kr = kf + j * kst;
-      float dot = 0.0f;
-      ATTN_SIMD_SUM(dot)
-      for (int64_t d = 0; d < D; ++d) dot += qv[d] * kr[d];
-      float sc = dot * P.scale;
+    for (j = 0; j < nk; ++j) {
+      float sc = s[j] * P.scale;
       if (P.softcap > 0.0f) sc = P.softcap * std::tanh(sc / P.softcap);
-      s[j - lo] = sc;
+      s[j] = sc;
       m = std::max(m, sc);
     }
-    // Pass 2: unnormalised weights, their sum, and the weighted sum of V rows.
+    // Pass 2: unnormalised weights w_j = exp(s_j - m), their sum l, and sum_j w_j v_j.
     float l = 0.0f;
-    for (int64_t j = 0; j < hi - lo; ++j) {
+    for (j = 0; j < nk; ++j) {
       s[j] = std::exp(s[j] - m);
       l += s[j];
     }
     for (int64_t d = 0; d < Dv; ++d) av[d] = 0.0f;
-    for (int64_t j = lo; j < hi; ++j) {
-      const float* TALLOW_RESTRICT vr = vf + j * vst;
-      const float w = s[j - lo];
+    for (j = 0; j + 4 <= nk; j += 4) {
+      const float *v0 = vr + j * Dv, *v1 = v0 + Dv, *v2 = v1 + Dv, *v3 = v2 + Dv;
+      const float w0 = s[j], w1 = s[j + 1], w2 = s[j + 2], w3 = s[j + 3];
       TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < Dv; ++d) av[d] += w * vr[d];
+      for (int64_t d = 0; d < Dv; ++d) av[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+    }
+    for (; j < nk; ++j) {
+      const float* v0 = vr + j * Dv;
+      const float w0 = s[j];
+      TALLOW_PRAGMA_SIMD
+      for (int64_t d = 0; d < Dv; ++d) av[d] += w0 * v0[d];
     }
     const float inv = 1.0f / l;
     TALLOW_PRAGMA_SIMD
@@ -171,8 +191,7 @@ TALLOW_SIMD_CLONES void attend_block(const Problem& P, int64_t b, int64_t h, int
 Operand operand(const Tensor& t) {
   const bool batched = t.dim() == 4;
   const int64_t o = batched ? 1 : 0;
-  return {static_cast<const char*>(t.storage()->data()) + dtype_nbytes(t.dtype(), t.offset()),
-          batched ? t.stride(0) : 0, t.stride(o), t.stride(o + 1)};
+  return {t.data_ptr(), batched ? t.stride(0) : 0, t.stride(o), t.stride(o + 1)};
 }
 
 }  // namespace

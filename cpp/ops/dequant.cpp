@@ -13,14 +13,10 @@
 //   Q6_K (210 B / 256): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
 //   Q8_K (292 B / 256): f32 d | i8 qs[256] | i16 bsums[16]   y = d * q
 //
-// Bit-exactness needs every product and sum rounded separately, as ggml's C source (and numpy)
-// writes them: `dl * q - ml` must not become a fused multiply-add, which GCC would otherwise do
-// in the AVX2/AVX-512 clones (GNU C++ defaults to -ffp-contract=fast).
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+// Bit-exactness: every formula above is (f16 scale) x (sub-scale of <= 8 bits) x (quant of <= 6 bits),
+// optionally minus (f16 min) x (<= 6-bit sub-min). Where a subtraction or addition follows (Q4_1, Q5_1,
+// Q2_K, Q4_K, Q5_K), the products have at most 11 + 6 + 5 = 22 significant bits and no underflow, so
+// they are exact in f32 and a compiler-fused multiply-add rounds exactly like ggml's separate ops.
 
 #include <algorithm>
 #include <cstring>

@@ -8,6 +8,7 @@
 #include "ops/embedding.h"
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/simd.h"

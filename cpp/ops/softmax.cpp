@@ -1,10 +1,147 @@
+// Softmax over the last dimension (CPU), with scale and tanh soft-capping, computed in f32.
+//
+// Per row: z = x * scale; with softcap > 0, z = softcap * tanh(z / softcap); p = exp(z - max z) / sum.
+// Each output is rounded once to x's dtype. Rows of any length; x may have any strides (a
+// non-unit last-dim stride is copied to contiguous first); `out` must be contiguous and may be x
+// itself (in place) when x is contiguous.
+//
+// Masking semantics (the header leaves them open; these are the definitions):
+//  - An input of exactly -inf is a masked entry: its probability is 0, whatever scale or softcap
+//    are (soft-capping does NOT turn a masked -inf into -softcap, and scale 0 does not make it NaN).
+//  - A fully masked row (every entry -inf) has no distribution: its output is all zeros (as
+//    FlashAttention-style kernels do), never NaN.
+//  - NaN anywhere in a row, or +inf without softcap, makes that row NaN (garbage in is not hidden).
 #include "ops/softmax.h"
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "core/simd.h"
 #include "ops/common.h"
+#include "ops/rows.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define TALLOW_SM_INLINE inline __attribute__((always_inline))
+#else
+#define TALLOW_SM_INLINE __forceinline
+#endif
+#define TALLOW_SM_PRAGMA(x) _Pragma(#x)
+#if defined(_MSC_VER) && !defined(__clang__)
+#define TALLOW_SIMD_SUM(v) __pragma(omp simd reduction(+ : v))
+#define TALLOW_SIMD_MAX(v) __pragma(omp simd reduction(max : v))
+#else
+#define TALLOW_SIMD_SUM(v) TALLOW_SM_PRAGMA(omp simd reduction(+ : v))
+#define TALLOW_SIMD_MAX(v) TALLOW_SM_PRAGMA(omp simd reduction(max : v))
+#endif
 
 namespace tallow::ops {
 
-Tensor softmax(const Tensor& x, float scale, float softcap, const std::optional<Tensor>& out) {
-  throw NotImplementedError("softmax: not implemented yet");
+namespace {
+
+// exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2 (Cephes expf polynomial, ~1 ulp).
+// Returns 0 below -86 (true value < 5e-38) and +inf above ln(FLT_MAX); NaN stays NaN.
+TALLOW_SM_INLINE float vexp(float x) {
+  constexpr float kLo = -86.0f, kHi = 88.7228f;
+  float xc = x < kLo ? kLo : x;
+  xc = xc > kHi ? kHi : xc;
+  const float t = xc * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23 rounds to an integer
+  const float n = t - 12582912.0f;
+  const int32_t ni = (int32_t)f32_bits(t) - 0x4B400000;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float res = y * bits_f32((uint32_t)(ni + 126) << 23) * 2.0f;  // 2^n in two steps: n may be 128
+  return x > kHi ? INFINITY : (x < kLo ? 0.0f : res);
+}
+
+// tanh: odd polynomial below |x| = 0.625 (Cephes tanhf), 1 - 2 / (e^{2|x|} + 1) above (~2 ulp).
+TALLOW_SM_INLINE float vtanh(float x) {
+  const float ax = std::fabs(x), z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float small = p * z * x + x;
+  const float big = 1.0f - 2.0f / (vexp(2.0f * ax) + 1.0f);
+  return ax < 0.625f ? small : std::copysign(big, x);
+}
+
+// One row. `z` is f32 scratch of n floats; for f32 it may be `o` itself (no restrict here:
+// `omp simd` already licenses the vectorisation, and o may also alias x for in-place use).
+template <class T>
+TALLOW_SIMD_CLONES void softmax_row(const T* x, T* o, float* z, int64_t n, float scale, float softcap) {
+  float m = -INFINITY;
+  if (softcap > 0.0f) {
+    const float s = scale / softcap;
+    TALLOW_SIMD_MAX(m)
+    for (int64_t i = 0; i < n; ++i) {
+      const float xi = to_f32(x[i]);
+      const float v = xi == -INFINITY ? -INFINITY : softcap * vtanh(xi * s);
+      z[i] = v;
+      m = v > m ? v : m;
+    }
+  } else {
+    TALLOW_SIMD_MAX(m)
+    for (int64_t i = 0; i < n; ++i) {
+      const float xi = to_f32(x[i]);
+      const float v = xi == -INFINITY ? -INFINITY : xi * scale;
+      z[i] = v;
+      m = v > m ? v : m;
+    }
+  }
+  if (m == -INFINITY) {  // fully masked row: all zeros
+    TALLOW_PRAGMA_SIMD
+    for (int64_t i = 0; i < n; ++i) o[i] = from_f32<T>(0.0f);
+    return;
+  }
+  float sum = 0.0f;
+  TALLOW_SIMD_SUM(sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = vexp(z[i] - m);
+    z[i] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / sum;
+  TALLOW_PRAGMA_SIMD
+  for (int64_t i = 0; i < n; ++i) o[i] = from_f32<T>(z[i] * inv);
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& x_in, float scale, float softcap, const std::optional<Tensor>& out) {
+  const char* op = "softmax";
+  check_defined(op, x_in, "x");
+  check_float(op, x_in, "x");
+  TALLOW_CHECK(x_in.dim() >= 1, op, ": x must have at least 1 dimension, got a 0-d tensor");
+  TALLOW_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale, " (x of shape ",
+               shape_str(x_in.shape()), ")");
+  TALLOW_CHECK(std::isfinite(softcap) && softcap >= 0.0f, op, ": softcap must be finite and >= 0 (0 = off), got ",
+               softcap, " (x of shape ", shape_str(x_in.shape()), ")");
+  Tensor o = make_out(op, out, x_in.shape(), x_in.dtype(), x_in.device());
+  if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
+  const Tensor x = x_in.stride(-1) != 1 && x_in.size(-1) > 1 ? x_in.contiguous() : x_in;
+  const int64_t n = x.size(-1);
+  TALLOW_DISPATCH_FLOAT(op, x.dtype(), [&] {
+    parallel_rows(num_rows(o), (softcap > 0.0f ? 12 : 6) * n, [&](int64_t r0, int64_t r1) {
+      std::vector<float> scratch(std::is_same_v<scalar_t, float> ? 0 : (size_t)n);
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* orow = row_ptr<scalar_t>(o, r);
+        // f32 output rows double as the scratch (the cast is only taken when scalar_t is float).
+        float* z = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(orow) : scratch.data();
+        softmax_row<scalar_t>(row_ptr<const scalar_t>(x, r), orow, z, n, scale, softcap);
+      }
+    });
+  });
+  return o;
 }
 
 }  // namespace tallow::ops

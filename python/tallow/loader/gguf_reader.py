@@ -26,8 +26,32 @@ _NUMPY = {
 }
 
 
+# ggml tensor types: id -> (name, elements per block, bytes per block), as in ggml.h / gguf-py.
+# Types tallow cannot compute with are still sized here, so a truncated file is caught at open
+# time and the error for using one of them names the type.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+}
+
+
+def ggml_type_name(ggml_type: int) -> str:
+    entry = GGML_TYPES.get(ggml_type)
+    return entry[0] if entry else f"unknown type {ggml_type}"
+
+
 class GGUFError(ValueError):
     """A GGUF file that cannot be read; the message names the file and the problem."""
+
+
+class GGUFFileNotFoundError(GGUFError, FileNotFoundError):
+    """The GGUF file does not exist (both a GGUFError and a FileNotFoundError)."""
 
 
 @dataclasses.dataclass
@@ -36,7 +60,12 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]  # numpy order (outermost first): GGUF's ne[] reversed
     ggml_type: int
     offset: int  # from the start of the data section
-    nbytes: int
+    nbytes: int  # 0 when the type is unknown
+
+    @property
+    def type_name(self) -> str:
+        """The ggml type's name ("F32", "Q4_K", ...)."""
+        return ggml_type_name(self.ggml_type)
 
 
 class GGUFFile:
@@ -50,8 +79,12 @@ class GGUFFile:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
-            raise GGUFError(f"{self.path}: no such file") from None
-        except (ValueError, OSError) as e:  # empty file cannot be mapped
+            raise GGUFFileNotFoundError(f"{self.path}: no such file") from None
+        except IsADirectoryError:
+            raise GGUFError(f"{self.path}: is a directory, not a GGUF file") from None
+        except (ValueError, OSError) as e:  # an empty file cannot be mapped
+            if os.path.isfile(self.path) and os.path.getsize(self.path) == 0:
+                raise GGUFError(f"{self.path}: empty file, not a GGUF file") from None
             raise GGUFError(f"{self.path}: cannot map file ({e})") from None
         self._buf = memoryview(self._mm)
         self._pos = 0
@@ -122,18 +155,34 @@ class GGUFFile:
             ggml_type = self._read("<I")
             offset = self._read("<Q")
             shape = tuple(int(d) for d in reversed(ne))
-            try:
-                dt = _core.dtype_from_ggml_type(ggml_type)
-            except TypeError:
-                dt = None  # reported when the tensor is used
-            numel = int(np.prod(shape)) if shape else 1
-            nbytes = dt.nbytes(numel) if dt is not None else 0
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r} appears twice")
+            numel = 1
+            for d in shape:
+                numel *= d
+            entry = GGML_TYPES.get(ggml_type)
+            if entry is None:
+                try:  # a type the table above lacks but the core knows
+                    dt = _core.dtype_from_ggml_type(ggml_type)
+                    entry = (dt.name, dt.block_size, dt.type_size)
+                except TypeError:
+                    entry = None  # unknown type: reported when the tensor is used
+            nbytes = 0
+            if entry is not None:
+                _, block, type_size = entry
+                if shape and shape[-1] % block:
+                    raise GGUFError(f"{self.path}: tensor {name!r} of type {entry[0]} has rows of {shape[-1]} "
+                                    f"elements, not a whole number of {block}-element blocks")
+                nbytes = numel // block * type_size
             self.tensors[name] = GGUFTensorInfo(name, shape, ggml_type, offset, nbytes)
         self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise GGUFError(f"{self.path}: invalid general.alignment {self.alignment}")
         self.data_offset = (self._pos + self.alignment - 1) // self.alignment * self.alignment
         for info in self.tensors.values():
+            if info.offset % self.alignment:
+                raise GGUFError(f"{self.path}: tensor {info.name!r} data offset {info.offset} is not aligned to "
+                                f"{self.alignment} bytes (corrupt GGUF)")
             end = self.data_offset + info.offset + info.nbytes
             if end > len(self._buf):
                 raise GGUFError(
@@ -147,20 +196,50 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def dtype(self, name: str):
+        """The tallow DType of tensor `name`; GGUFError naming the type when tallow lacks it."""
+        from tallow import _core
+
+        info = self._info(name)
+        try:
+            return _core.dtype_from_ggml_type(info.ggml_type)
+        except TypeError:
+            raise GGUFError(f"{self.path}: tensor {name!r} has GGUF type {info.type_name} (id {info.ggml_type}), "
+                            "which tallow does not support") from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 array over the map (no copy), shaped
+        [*shape[:-1], bytes per row] so that rows (and whole quantization blocks) can be indexed."""
+        info = self._info(name)
+        if info.nbytes == 0 and info.ggml_type not in GGML_TYPES:
+            self.dtype(name)  # raises: unknown type
+        start = self.data_offset + info.offset
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=start)
+        if len(info.shape) >= 1:
+            rows = info.shape[:-1]
+            n_rows = 1
+            for d in rows:
+                n_rows *= d
+            raw = raw.reshape(*rows, info.nbytes // n_rows if n_rows else 0)
+        return raw
+
     def tensor(self, name: str):
         """Zero-copy tallow tensor over the mapped bytes (the map stays open while it lives)."""
         from tallow import _core
 
-        info = self.tensors.get(name)
-        if info is None:
-            raise KeyError(f"{self.path}: no tensor named {name!r}")
-        try:
-            dt = _core.dtype_from_ggml_type(info.ggml_type)
-        except TypeError as e:
-            raise GGUFError(f"{self.path}: tensor {name!r}: {e}") from None
+        info = self._info(name)
+        dt = self.dtype(name)
         start = self.data_offset + info.offset
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=start)
         return _core.from_buffer(raw, dt, list(info.shape))
+
+    def _info(self, name: str) -> GGUFTensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        if self._buf is None:
+            raise GGUFError(f"{self.path}: file is closed")
+        return info
 
     def close(self) -> None:
         """Drop this reader's references; the map closes once no tensor uses it."""

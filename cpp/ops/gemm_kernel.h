@@ -1,0 +1,560 @@
+// CPU GEMM with f32 accumulation for f32/f16/bf16 operands: C = A·B (+ bias), any strides, batched.
+//
+// This header has two parts.
+//  * The shared part (include guard): the Problem description and the entry point gemm::run(), which
+//    picks the kernel set for the CPU it runs on (AVX-512, AVX2+FMA or portable) at first use.
+//  * The kernel body (when TALLOW_GEMM_BODY is defined): included once per ISA by gemm_kernel.cpp inside
+//    a `#pragma GCC target` region and its own namespace, so every function and template in it is compiled
+//    for that ISA. (target_clones cannot do this: the register tile must differ per ISA — 12x32 floats
+//    in 32 zmm registers, 6x16 in 16 ymm registers.)
+//
+// Algorithm (the BLIS scheme). The "B side" is packed to f32 panels of NR columns ([K][NR] each); the
+// "A side" is packed to f32 micro-panels of MR rows ([MR][kc], row-major, so K-contiguous rows are a plain
+// copy). The micro-kernel keeps an MR x NR tile of f32 accumulators in registers, broadcasting A and
+// loading B vectors. One task = (batch, NCT columns, a range of MC-row blocks): it packs its B block once
+// and walks K in KC slabs, accumulating in an f32 tile that the epilogue adds the bias to and rounds to the
+// output dtype. Which operand plays "A" is chosen by packing cost: C^T = B^T·A^T is used when that turns a
+// transposing pack into a copy (linear's x·W^T with M < N: W rows become A micro-panels, no transpose).
+// Small M (decode) skips packing: with B columns K-contiguous (linear weights) each output is a dot
+// product streamed over W once, converting f16/bf16 on the fly; with B rows N-contiguous, an axpy sweep.
+#ifndef TALLOW_OPS_GEMM_KERNEL_SHARED_H
+#define TALLOW_OPS_GEMM_KERNEL_SHARED_H
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <new>
+#include <type_traits>
+
+namespace tallow::ops::gemm {
+
+enum class Elt : int { F32, F16, BF16 };
+
+// C[i, j] = sum_k A[i, k] * B[k, j] (+ bias), for i < M, j < N. Element (i, k) of A is at
+// a + i*rsa + k*csa (in elements of the dtype), likewise B and C; all of one dtype, f32 accumulation.
+struct Problem {
+  int64_t M = 0, N = 0, K = 0;
+  const void* a = nullptr;
+  int64_t rsa = 0, csa = 0;
+  const void* b = nullptr;
+  int64_t rsb = 0, csb = 0;
+  void* c = nullptr;
+  int64_t rsc = 0, csc = 0;
+  const void* bias = nullptr;  // dtype as the rest
+  int bias_mode = 0;           // 0: none, 1: bias[j] (per column), 2: bias[i] (per row)
+  int64_t bias_stride = 1;
+  // Batched: `batch` problems, the k-th at element offsets aoff[k], boff[k], coff[k] (nullptr: all 0).
+  int64_t batch = 1;
+  const int64_t* aoff = nullptr;
+  const int64_t* boff = nullptr;
+  const int64_t* coff = nullptr;
+};
+
+// Runs the problem on the CPU thread pool with the best kernel set for this CPU.
+void run(Elt elt, const Problem& p);
+// Name of the kernel set run() uses ("avx512", "avx2", "portable"). The environment variable
+// TALLOW_GEMM_ISA (read at first use) or set_isa() picks a lower one, for tests and comparisons.
+const char* isa_name();
+// Returns false (and changes nothing) when this CPU or build lacks that kernel set.
+bool set_isa(const char* name);
+
+// Grow-only, 64-byte aligned f32 scratch buffers, one set per thread (slot 0..3).
+inline float* scratch(int slot, int64_t n) {
+  struct Buf {
+    float* p = nullptr;
+    int64_t cap = 0;
+    ~Buf() { std::free(p); }
+  };
+  static thread_local Buf bufs[4];
+  Buf& b = bufs[slot];
+  if (n > b.cap) {
+    std::free(b.p);
+    const int64_t cap = ((n + 1023) / 1024) * 1024;
+    b.p = static_cast<float*>(std::aligned_alloc(64, (size_t)cap * sizeof(float)));
+    if (!b.p) throw std::bad_alloc();
+    b.cap = cap;
+  }
+  return b.p;
+}
+
+}  // namespace tallow::ops::gemm
+
+#endif  // TALLOW_OPS_GEMM_KERNEL_SHARED_H
+
+// ---------------------------------------------------------------------------------------------------------
+// Kernel body: TALLOW_GEMM_ISA is 512, 256 or 0 (portable); included inside a namespace by gemm_kernel.cpp.
+#ifdef TALLOW_GEMM_BODY
+
+// ---- vector abstraction -------------------------------------------------------------------------------
+#if TALLOW_GEMM_ISA == 512
+using vec = __m512;
+constexpr int W = 16;
+constexpr int MR = 12, NV = 2;  // 24 accumulators of 32 zmm
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vbcast(float x) { return _mm512_set1_ps(x); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vld(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vld(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline vec vld(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline void vst(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif TALLOW_GEMM_ISA == 256
+using vec = __m256;
+constexpr int W = 8;
+constexpr int MR = 6, NV = 2;  // 12 accumulators of 16 ymm
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vbcast(float x) { return _mm256_set1_ps(x); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vld(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vld(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline vec vld(const f16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline void vst(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+// Portable: 4-wide GCC/Clang vector extension (SSE2 on x86-64, NEON on Arm).
+typedef float vec __attribute__((vector_size(16)));
+constexpr int W = 4;
+constexpr int MR = 6, NV = 2;
+static inline vec vzero() { return vec{0.f, 0.f, 0.f, 0.f}; }
+static inline vec vbcast(float x) { return vec{x, x, x, x}; }
+static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+static inline vec vadd(vec a, vec b) { return a + b; }
+static inline vec vld(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+template <class T> static inline vec vld(const T* p) {
+  return vec{to_f32(p[0]), to_f32(p[1]), to_f32(p[2]), to_f32(p[3])};
+}
+static inline void vst(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+static inline float vsum(vec v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+#endif
+
+constexpr int NR = NV * W;             // micro-tile columns
+constexpr int64_t KC = 256;            // K slab
+constexpr int64_t MC = MR * (120 / MR);  // rows of A packed per slab (~120)
+constexpr int64_t NCT = 256;           // columns of C per task (multiple of NR)
+constexpr int64_t kSmallM = 16;        // at most this many rows: GEMV paths, no packing
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---- packing ------------------------------------------------------------------------------------------
+
+// n elements from src (stride s) to f32 dst.
+template <class T>
+static inline void load_row(const T* TALLOW_RESTRICT src, int64_t s, float* TALLOW_RESTRICT dst, int64_t n) {
+  if (s == 1) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) vst(dst + i, vld(src + i));
+    for (; i < n; ++i) dst[i] = to_f32(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_f32(src[i * s]);
+  }
+}
+
+// A rows [i0, i0+mc) x cols [k0, k0+kc) -> micro-panels of MR rows, each [MR][kc]; rows past mc are zero.
+template <class T>
+static void pack_a(const T* a, int64_t rsa, int64_t csa, int64_t i0, int64_t mc, int64_t k0, int64_t kc, float* ap) {
+  const int64_t mp = round_up(mc, MR);
+  if (csa == 1 || rsa != 1) {
+    for (int64_t r = 0; r < mp; ++r) {
+      float* dst = ap + r * kc;
+      if (r < mc) load_row(a + (i0 + r) * rsa + k0 * csa, csa, dst, kc);
+      else std::memset(dst, 0, sizeof(float) * kc);
+    }
+  } else {  // columns contiguous: read MR consecutive rows of each column
+    for (int64_t p = 0; p < mp; p += MR) {
+      float* dst = ap + p * kc;
+      const int64_t rows = mc - p < MR ? mc - p : MR;
+      for (int64_t k = 0; k < kc; ++k) {
+        const T* src = a + (i0 + p) + (k0 + k) * csa;
+        for (int64_t r = 0; r < rows; ++r) dst[r * kc + k] = to_f32(src[r]);
+        for (int64_t r = rows; r < MR; ++r) dst[r * kc + k] = 0.f;
+      }
+    }
+  }
+}
+
+// B rows [0, K) x cols [j0, j0+nc) -> panels of NR columns, each [K][NR]; columns past nc are zero.
+template <class T>
+static void pack_b(const T* b, int64_t rsb, int64_t csb, int64_t K, int64_t j0, int64_t nc, float* bp) {
+  for (int64_t p = 0; p < nc; p += NR) {
+    float* dst = bp + p * K;  // panel p / NR
+    const int64_t cols = nc - p < NR ? nc - p : NR;
+    if (csb == 1) {
+      for (int64_t k = 0; k < K; ++k) {
+        const T* src = b + k * rsb + j0 + p;
+        float* d = dst + k * NR;
+        if (cols == NR) {
+          for (int v = 0; v < NV; ++v) vst(d + v * W, vld(src + v * W));
+        } else {
+          for (int64_t j = 0; j < cols; ++j) d[j] = to_f32(src[j]);
+          for (int64_t j = cols; j < NR; ++j) d[j] = 0.f;
+        }
+      }
+    } else {
+      // Transposing pack (e.g. columns K-contiguous): blocks of 16 k keep the destination in L1.
+      if (cols < NR)
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t j = cols; j < NR; ++j) dst[k * NR + j] = 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        const int64_t kn = K - k0 < 16 ? K - k0 : 16;
+        for (int64_t j = 0; j < cols; ++j) {
+          const T* src = b + k0 * rsb + (j0 + p + j) * csb;
+          float* d = dst + k0 * NR + j;
+          if (rsb == 1) {
+            for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k]);
+          } else {
+            for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k * rsb]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- micro-kernel -------------------------------------------------------------------------------------
+
+// C[MR][NR] (row stride ldc) = (accumulate ? C : 0) + A[MR][kc] (row stride lda) * B[kc][NR].
+static inline void micro_kernel(int64_t kc, const float* TALLOW_RESTRICT A, int64_t lda,
+                                const float* TALLOW_RESTRICT B, float* TALLOW_RESTRICT C, int64_t ldc,
+                                bool accumulate) {
+  vec acc[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? vld(C + i * ldc + v * W) : vzero();
+  for (int64_t k = 0; k < kc; ++k) {
+    vec bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = vld(B + k * NR + v * W);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const vec av = vbcast(A[i * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(av, bv[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vst(C + i * ldc + v * W, acc[i][v]);
+}
+
+// ---- epilogue: f32 tile (+ bias) -> C in the output dtype ---------------------------------------------
+
+template <class T>
+static void store_tile(const Problem& p, T* c, const T* bias, const float* tile, int64_t ldt, int64_t i0,
+                       int64_t mc, int64_t j0, int64_t nc) {
+  if (p.csc == 1 || p.rsc != 1) {
+    for (int64_t i = 0; i < mc; ++i) {
+      const float* t = tile + i * ldt;
+      T* o = c + (i0 + i) * p.rsc + j0 * p.csc;
+      const float bi = p.bias_mode == 2 ? to_f32(bias[(i0 + i) * p.bias_stride]) : 0.f;
+      if (p.bias_mode == 1) {
+        const T* bj = bias + j0 * p.bias_stride;
+        const int64_t bs = p.bias_stride;
+        if (p.csc == 1) {
+          TALLOW_PRAGMA_SIMD
+          for (int64_t j = 0; j < nc; ++j) o[j] = from_f32<T>(t[j] + to_f32(bj[j * bs]));
+        } else {
+          for (int64_t j = 0; j < nc; ++j) o[j * p.csc] = from_f32<T>(t[j] + to_f32(bj[j * bs]));
+        }
+      } else if (p.csc == 1) {
+        TALLOW_PRAGMA_SIMD
+        for (int64_t j = 0; j < nc; ++j) o[j] = from_f32<T>(t[j] + bi);
+      } else {
+        for (int64_t j = 0; j < nc; ++j) o[j * p.csc] = from_f32<T>(t[j] + bi);
+      }
+    }
+  } else {  // rows of C contiguous (C^T = B^T A^T was computed): write down columns
+    for (int64_t j = 0; j < nc; ++j) {
+      T* o = c + i0 + (j0 + j) * p.csc;
+      const float bj = p.bias_mode == 1 ? to_f32(bias[(j0 + j) * p.bias_stride]) : 0.f;
+      for (int64_t i = 0; i < mc; ++i) {
+        const float bi = p.bias_mode == 2 ? to_f32(bias[(i0 + i) * p.bias_stride]) : 0.f;
+        o[i] = from_f32<T>(tile[i * ldt + j] + bi + bj);
+      }
+    }
+  }
+}
+
+// ---- packed GEMM --------------------------------------------------------------------------------------
+
+template <class T>
+static void packed_task(const Problem& p, int64_t bt, int64_t j0, int64_t mb0, int64_t mb1) {
+  const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
+  const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
+  T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
+  const T* bias = static_cast<const T*>(p.bias);
+  const int64_t K = p.K;
+  const int64_t nc = p.N - j0 < NCT ? p.N - j0 : NCT;
+  const int64_t ncp = round_up(nc, NR);
+  const int64_t nk = ceil_div(K, KC), kc_max = round_up(ceil_div(K, nk), 8);
+  float* bp = scratch(0, K * ncp);
+  float* ap = scratch(1, MC * kc_max);
+  float* tile = scratch(2, MC * ncp);
+  pack_b(b, p.rsb, p.csb, K, j0, nc, bp);
+  for (int64_t mb = mb0; mb < mb1; ++mb) {
+    const int64_t i0 = mb * MC;
+    const int64_t mc = p.M - i0 < MC ? p.M - i0 : MC;
+    for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+      const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
+      pack_a(a, p.rsa, p.csa, i0, mc, k0, kc, ap);
+      for (int64_t ir = 0; ir < mc; ir += MR)
+        for (int64_t jr = 0; jr < ncp; jr += NR)
+          micro_kernel(kc, ap + ir * kc, kc, bp + jr * K + k0 * NR, tile + ir * ncp + jr, ncp, k0 > 0);
+    }
+    store_tile<T>(p, c, bias, tile, ncp, i0, mc, j0, nc);
+  }
+}
+
+template <class T>
+static void run_packed(const Problem& p) {
+  const int64_t nnb = ceil_div(p.N, NCT), nmb = ceil_div(p.M, MC);
+  const int threads = get_num_threads();
+  // Enough tasks to balance the threads; split M (which re-packs B) only when batch x N blocks are too few.
+  const int64_t target = threads > 1 ? 3 * (int64_t)threads : 1;
+  int64_t mranges = ceil_div(target, p.batch * nnb);
+  if (mranges > nmb) mranges = nmb;
+  if (mranges < 1) mranges = 1;
+  const int64_t ntasks = p.batch * nnb * mranges;
+  parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t % mranges, jb = (t / mranges) % nnb, bt = t / (mranges * nnb);
+      const int64_t mb0 = nmb * r / mranges, mb1 = nmb * (r + 1) / mranges;
+      if (mb0 < mb1) packed_task<T>(p, bt, jb * NCT, mb0, mb1);
+    }
+  });
+}
+
+// ---- small M, B columns K-contiguous (linear's weight): dot products -----------------------------------
+
+// out[i][j] for RM rows of x (f32, row stride ldx) and RN columns of B (rows of w, stride ldw), over K.
+template <class T, int RM, int RN>
+static inline void dot_tile(int64_t K, const float* x, int64_t ldx, const T* w, int64_t ldw, float* out /*[RM][RN]*/) {
+  vec acc[RM][RN];
+#pragma GCC unroll 8
+  for (int m = 0; m < RM; ++m)
+#pragma GCC unroll 8
+    for (int n = 0; n < RN; ++n) acc[m][n] = vzero();
+  int64_t k = 0;
+  for (; k + W <= K; k += W) {
+    vec wv[RN];
+#pragma GCC unroll 8
+    for (int n = 0; n < RN; ++n) wv[n] = vld(w + n * ldw + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < RM; ++m) {
+      const vec xv = vld(x + m * ldx + k);
+#pragma GCC unroll 8
+      for (int n = 0; n < RN; ++n) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < RM; ++m)
+    for (int n = 0; n < RN; ++n) {
+      float s = vsum(acc[m][n]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * to_f32(w[n * ldw + kk]);
+      out[m * RN + n] = s;
+    }
+}
+
+template <class T, int RM>
+static void dot_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t i0, const T* b,
+                     int64_t j0, int64_t j1) {
+  constexpr int RN = RM == 1 ? 8 : 4;
+  float r[RM * 8];
+  const float* xr = x + i0 * K;
+  auto emit = [&](int64_t j, int rn) {
+    for (int m = 0; m < RM; ++m)
+      for (int n = 0; n < rn; ++n) {
+        const int64_t i = i0 + m, jj = j + n;
+        float v = r[m * (rn == RN ? RN : 1) + (rn == RN ? n : 0)];
+        if (p.bias_mode == 1) v += to_f32(bias[jj * p.bias_stride]);
+        else if (p.bias_mode == 2) v += to_f32(bias[i * p.bias_stride]);
+        c[i * p.rsc + jj * p.csc] = from_f32<T>(v);
+      }
+  };
+  int64_t j = j0;
+  for (; j + RN <= j1; j += RN) {
+    dot_tile<T, RM, RN>(K, xr, K, b + j * p.csb, p.csb, r);
+    emit(j, RN);
+  }
+  for (; j < j1; ++j) {
+    dot_tile<T, RM, 1>(K, xr, K, b + j * p.csb, p.csb, r);
+    emit(j, 1);
+  }
+}
+
+// ---- small M, B rows N-contiguous: axpy over rows of B ----------------------------------------------------
+
+template <class T, int RM>
+static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t i0, const T* b,
+                      int64_t j0, int64_t j1) {
+  constexpr int NB = 4;  // vectors of columns per sweep
+  const float* xr = x + i0 * K;
+  auto emit = [&](int64_t j, const float* t, int64_t n, int64_t ldt) {
+    for (int m = 0; m < RM; ++m)
+      for (int64_t q = 0; q < n; ++q) {
+        const int64_t i = i0 + m, jj = j + q;
+        float v = t[m * ldt + q];
+        if (p.bias_mode == 1) v += to_f32(bias[jj * p.bias_stride]);
+        else if (p.bias_mode == 2) v += to_f32(bias[i * p.bias_stride]);
+        c[i * p.rsc + jj * p.csc] = from_f32<T>(v);
+      }
+  };
+  float t[RM * NB * W];
+  int64_t j = j0;
+  for (; j + NB * W <= j1; j += NB * W) {
+    vec acc[RM][NB];
+    for (int m = 0; m < RM; ++m)
+      for (int v = 0; v < NB; ++v) acc[m][v] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+      const T* br = b + k * p.rsb + j;
+      vec bv[NB];
+#pragma GCC unroll 4
+      for (int v = 0; v < NB; ++v) bv[v] = vld(br + v * W);
+#pragma GCC unroll 4
+      for (int m = 0; m < RM; ++m) {
+        const vec xv = vbcast(xr[m * K + k]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NB; ++v) acc[m][v] = vfma(xv, bv[v], acc[m][v]);
+      }
+    }
+    for (int m = 0; m < RM; ++m)
+      for (int v = 0; v < NB; ++v) vst(t + m * NB * W + v * W, acc[m][v]);
+    emit(j, t, NB * W, NB * W);
+  }
+  for (; j + W <= j1; j += W) {
+    vec acc[RM];
+    for (int m = 0; m < RM; ++m) acc[m] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+      const vec bv = vld(b + k * p.rsb + j);
+      for (int m = 0; m < RM; ++m) acc[m] = vfma(vbcast(xr[m * K + k]), bv, acc[m]);
+    }
+    for (int m = 0; m < RM; ++m) vst(t + m * W, acc[m]);
+    emit(j, t, W, W);
+  }
+  if (j < j1) {
+    const int64_t n = j1 - j;
+    for (int m = 0; m < RM; ++m)
+      for (int64_t q = 0; q < n; ++q) t[m * W + q] = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const T* br = b + k * p.rsb + j;
+      for (int m = 0; m < RM; ++m) {
+        const float xv = xr[m * K + k];
+        for (int64_t q = 0; q < n; ++q) t[m * W + q] += xv * to_f32(br[q]);
+      }
+    }
+    emit(j, t, n, W);
+  }
+}
+
+template <class T, bool kDot>
+static void run_small(const Problem& p) {
+  const int threads = get_num_threads();
+  const int64_t N = p.N, K = p.K, M = p.M;
+  const int64_t quantum = kDot ? 8 : NV * 2 * W;  // columns per unit of work
+  int64_t nchunks = ceil_div(4 * (int64_t)threads, p.batch);
+  const int64_t max_chunks = ceil_div(N, quantum);
+  if (nchunks > max_chunks) nchunks = max_chunks;
+  if (nchunks < 1) nchunks = 1;
+  const int64_t chunk = round_up(ceil_div(N, nchunks), kDot ? 8 : W);
+  nchunks = ceil_div(N, chunk);
+  parallel_for(0, p.batch * nchunks, 1, [&](int64_t t0, int64_t t1) {
+    float* x = scratch(3, M * K);
+    int64_t x_batch = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bt = t / nchunks, j0 = (t % nchunks) * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
+      const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
+      const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
+      T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
+      if (bt != x_batch) {  // A rows -> contiguous f32, once per batch per thread chunk
+        for (int64_t i = 0; i < M; ++i) load_row(a + i * p.rsa, p.csa, x + i * K, K);
+        x_batch = bt;
+      }
+      const T* bias = static_cast<const T*>(p.bias);
+      int64_t i = 0;
+      auto rows = [&](auto rm_tag) {
+        constexpr int RM = decltype(rm_tag)::value;
+        if constexpr (kDot) dot_rows<T, RM>(p, c, bias, K, x, i, b, j0, j1);
+        else axpy_rows<T, RM>(p, c, bias, K, x, i, b, j0, j1);
+        i += RM;
+      };
+      for (; i + 4 <= M;) rows(std::integral_constant<int, 4>{});
+      if (M - i == 3) rows(std::integral_constant<int, 3>{});
+      else if (M - i == 2) rows(std::integral_constant<int, 2>{});
+      else if (M - i == 1) rows(std::integral_constant<int, 1>{});
+    }
+  });
+}
+
+// ---- entry --------------------------------------------------------------------------------------------
+
+static inline Problem transposed(const Problem& p) {
+  Problem q = p;
+  q.M = p.N;
+  q.N = p.M;
+  q.a = p.b, q.rsa = p.csb, q.csa = p.rsb;
+  q.b = p.a, q.rsb = p.csa, q.csb = p.rsa;
+  q.rsc = p.csc, q.csc = p.rsc;
+  q.aoff = p.boff, q.boff = p.aoff;
+  q.bias_mode = p.bias_mode == 1 ? 2 : p.bias_mode == 2 ? 1 : 0;
+  return q;
+}
+
+// Relative cost of the packing that orientation p needs (copying packs count 1, transposing ones 4).
+static inline double pack_cost(const Problem& p) {
+  const double a_passes = (double)ceil_div(p.N, NCT);
+  const double m_pad = (double)round_up(p.M, MR) / (double)p.M, n_pad = (double)round_up(p.N, NR) / (double)p.N;
+  const double a = (double)p.M * p.K * a_passes * (p.csa == 1 ? 1.0 : 4.0);
+  const double b = (double)p.K * p.N * (p.csb == 1 ? 1.0 : 4.0);
+  // Padding wastes micro-kernel work; weigh it against packing by its share of the flops.
+  const double flops = 2.0 * p.M * p.N * p.K * m_pad * n_pad;
+  return a + b + flops / 64.0;
+}
+
+template <class T>
+static void run_t(const Problem& p0) {
+  if (p0.batch == 0 || p0.M == 0 || p0.N == 0) return;
+  if (p0.K == 0) {  // empty sum: C = bias or 0
+    for (int64_t bt = 0; bt < p0.batch; ++bt) {
+      T* c = static_cast<T*>(p0.c) + (p0.coff ? p0.coff[bt] : 0);
+      const T* bias = static_cast<const T*>(p0.bias);
+      for (int64_t i = 0; i < p0.M; ++i)
+        for (int64_t j = 0; j < p0.N; ++j) {
+          const float v = p0.bias_mode == 1 ? to_f32(bias[j * p0.bias_stride])
+                          : p0.bias_mode == 2 ? to_f32(bias[i * p0.bias_stride]) : 0.f;
+          c[i * p0.rsc + j * p0.csc] = from_f32<T>(v);
+        }
+    }
+    return;
+  }
+  const Problem pt = transposed(p0);
+  // GEMV paths (no packing) when one side is a few rows (decode): stream the other operand once.
+  for (const Problem* q : {&p0, &pt}) {
+    if (q->M > kSmallM) continue;
+    if (q->rsb == 1 && q->K > 1) return run_small<T, true>(*q);
+    if (q->csb == 1) return run_small<T, false>(*q);
+  }
+  if (pack_cost(pt) < 0.8 * pack_cost(p0)) run_packed<T>(pt);
+  else run_packed<T>(p0);
+}
+
+void run(Elt elt, const Problem& p) {
+  switch (elt) {
+    case Elt::F32: return run_t<float>(p);
+    case Elt::F16: return run_t<f16_t>(p);
+    case Elt::BF16: return run_t<bf16_t>(p);
+  }
+}
+
+#endif  // TALLOW_GEMM_BODY

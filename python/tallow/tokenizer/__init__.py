@@ -1,0 +1,25 @@
+"""Tokenizers: Hugging Face tokenizer folders and GGUF-embedded vocabularies as one ``Tokenizer``
+(backed by the ``tokenizers`` library), and streaming detokenization.
+
+    tok = Tokenizer.from_pretrained_dir("path/to/model")   # tokenizer.json or tokenizer.model
+    tok = Tokenizer.from_gguf(GGUFFile("model.gguf"))      # or a path
+    ids = tok.encode("Hello")                              # BOS added when the model asks for it
+    detok = IncrementalDetokenizer(tok, prompt_ids=ids)
+    for t in generated: print(detok.add(t), end="")
+    print(detok.finish())
+"""
+from tallow.tokenizer.detokenizer import IncrementalDetokenizer
+from tallow.tokenizer.gguf_vocab import GGUFVocab, GGUFVocabError, vocab_from_gguf
+from tallow.tokenizer.sentencepiece_model import SentencePieceModelError
+from tallow.tokenizer.tokenizer import NoChatTemplateError, Tokenizer, TokenizerError
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """A model folder, tokenizer.json, tokenizer.model or .gguf file."""
+    return Tokenizer.from_file(path)
+
+
+__all__ = [
+    "Tokenizer", "TokenizerError", "NoChatTemplateError", "IncrementalDetokenizer", "GGUFVocab", "GGUFVocabError",
+    "SentencePieceModelError", "vocab_from_gguf", "load_tokenizer",
+]
