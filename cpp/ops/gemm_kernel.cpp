@@ -23,6 +23,11 @@
 
 #define TALLOW_GEMM_BODY 1
 
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (_mm512_undefined_* inside them).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #if TALLOW_GEMM_MULTI
 #if defined(__clang__)
 #define TALLOW_GEMM_TARGET_BEGIN(T) _Pragma("clang attribute push(__attribute__((target(" #T "))), apply_to = function)")

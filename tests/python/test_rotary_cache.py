@@ -37,13 +37,18 @@ class _Float64Torch:
 
 @contextlib.contextmanager
 def float64_transformers(*modules):
+    """Run transformers' rope code in float64: torch.float / torch.float32 and Tensor.float() (longrope
+    uses it) give float64 while this is active."""
     mods = [mru, *modules]
     saved = [m.torch for m in mods]
+    saved_float = torch.Tensor.float
     for m in mods:
         m.torch = _Float64Torch()
+    torch.Tensor.float = lambda self, *a, **k: self.double(*a, **k)
     try:
         yield
     finally:
+        torch.Tensor.float = saved_float
         for m, t in zip(mods, saved):
             m.torch = t
 
@@ -212,36 +217,37 @@ def test_rotary_module_of_tiny_model(rng, name):
     check_module(module, mc.rope, mc.rotary_dim, np.r_[np.arange(16), 2 * mc.max_position_embeddings + 3])
 
 
+TINY = dict(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024)
 FAMILY_CONFIGS = {
-    "mistral": lambda: transformers.MistralConfig(head_dim=32, sliding_window=64),
-    "qwen2": lambda: transformers.Qwen2Config(rope_theta=1e6),
-    "qwen3": lambda: transformers.Qwen3Config(head_dim=48, rope_theta=1e6,
-                                              rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                            "original_max_position_embeddings": 256}),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, head_dim=32),
-    "phi3": lambda: transformers.Phi3Config(partial_rotary_factor=0.75, pad_token_id=0),
-    "gemma2": lambda: transformers.Gemma2Config(head_dim=32, query_pre_attn_scalar=32),
-    "stablelm": lambda: transformers.StableLmConfig(partial_rotary_factor=0.25),
-    "glm4": lambda: transformers.Glm4Config(head_dim=32, partial_rotary_factor=0.5),
-    "ministral3": lambda: transformers.Ministral3Config(
-        head_dim=32, rope_parameters={"type": "yarn", "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
-                                      "original_max_position_embeddings": 128, "max_position_embeddings": 2048,
-                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                      "llama_4_scaling_beta": 0.1}, max_position_embeddings=2048),
+    "mistral": ("MistralConfig", dict(head_dim=32, sliding_window=64)),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(head_dim=48, rope_theta=1e6,
+                                  rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 256})),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, head_dim=32)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, pad_token_id=0)),
+    "gemma2": ("Gemma2Config", dict(head_dim=32, query_pre_attn_scalar=32)),
+    "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25)),
+    "glm4": ("Glm4Config", dict(head_dim=32, partial_rotary_factor=0.5, pad_token_id=0)),
+    "ministral3": ("Ministral3Config", dict(
+        head_dim=32, max_position_embeddings=2048, pad_token_id=0,
+        rope_parameters={"type": "yarn", "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                         "original_max_position_embeddings": 128, "max_position_embeddings": 2048,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "llama_4_scaling_beta": 0.1})),
 }
+
+
+def tiny_family_config(family):
+    cls_name, extra = FAMILY_CONFIGS[family]
+    return getattr(transformers, cls_name)(**{**TINY, **extra})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 def test_rotary_module_of_each_family(family):
-    kw = dict(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024)
-    hf = FAMILY_CONFIGS[family]()
-    for k, v in kw.items():  # shrink, keeping the family's rope settings
-        if k == "max_position_embeddings" and family == "ministral3":
-            continue
-        setattr(hf, k, v)
-    hf = type(hf)(**{k: v for k, v in hf.to_dict().items() if k not in ("transformers_version",)})
+    hf = tiny_family_config(family)
     mc = ModelConfig.from_hf_dict(hf.to_dict())
     module = _rotary_module(hf.model_type, hf)
     check_module(module, mc.rope, mc.rotary_dim, np.r_[np.arange(24), mc.max_position_embeddings - 1])

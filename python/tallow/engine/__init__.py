@@ -1,0 +1,1 @@
+"""The engine: requests, paged KV cache with prefix caching, scheduler, runner, sampler."""
