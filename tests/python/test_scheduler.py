@@ -104,7 +104,7 @@ def test_preemption_by_recompute_and_resume():
     assert [r.request_id for r in out.preempted] == ["b"]
     assert out.num_scheduled_tokens == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.output_token_ids == [7]  # kept; recomputed from prompt + output later
+    assert b.output_token_ids == [7, 7]  # kept; recomputed from prompt + output later
     run_to_end(s)
     assert a.num_output_tokens == 4 and b.num_output_tokens == 4
     assert b.num_preemptions == 1
