@@ -22,8 +22,10 @@
 //
 // Work is split over (batch, query head, block of kQueryBlock queries). Within a block, the K/V
 // rows the block can see are converted to f32 once into compact scratch and shared by the block's
-// queries (for f32 this is a copy, which keeps the hot rows contiguous in cache). Scores are kept in a per-query buffer (two-pass softmax: max, then exp/sum),
-// which is simpler to check than an online softmax and costs O(Tk) floats of scratch.
+// queries (for f32 this is a copy, which keeps the hot rows contiguous in cache). Scores are kept
+// in a per-query buffer (two-pass softmax: max, then exp/sum), which is simpler to check than an
+// online softmax and costs O(Tk) floats of scratch. The result for a query does not depend on how
+// work is split, so it is the same for any thread count.
 #include "ops/attention.h"
 
 #include <algorithm>
@@ -54,7 +56,7 @@ constexpr int64_t kQueryBlock = 16;
 // Strided view of one [B, T, H, D] operand (3-D inputs get B = 1 and a batch stride of 0).
 // The last dim is contiguous (stride 1); strides count elements.
 struct Operand {
-  const void* base;  // storage start + offset
+  const void* base;  // first element
   int64_t sb, st, sh;
 };
 
@@ -221,8 +223,9 @@ Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, flo
                shape_str(k_in.shape()));
   TALLOW_CHECK(v_in.size(o) == Tk && v_in.size(o + 1) == Hk, op, ": k and v must agree on tokens and heads: k",
                shape_str(k_in.shape()), " v", shape_str(v_in.shape()));
-  TALLOW_CHECK(Hq > 0 && Hk > 0 && Hq % Hk == 0, op, ": query heads (", Hq, ") must be a positive multiple of kv heads (",
-               Hk, "): q", shape_str(q_in.shape()), " k", shape_str(k_in.shape()));
+  TALLOW_CHECK(Hq > 0 && Hk > 0 && Hq % Hk == 0, op, ": query heads (", Hq,
+               ") must be a positive multiple of kv heads (", Hk, "): q", shape_str(q_in.shape()), " k",
+               shape_str(k_in.shape()));
   TALLOW_CHECK(D > 0, op, ": head dim must be positive, got q", shape_str(q_in.shape()));
   TALLOW_CHECK(sliding_window >= 0, op, ": sliding_window must be >= 0 (0 = no window), got ", sliding_window);
   TALLOW_CHECK(softcap >= 0.0f, op, ": softcap must be >= 0 (0 = none), got ", softcap);

@@ -32,10 +32,17 @@ namespace tallow::ops {
 
 namespace {
 
+// f16 -> f32, exact like core/half.h's f16_to_f32, but without arithmetic on f32 denormals: f16
+// subnormals are m * 2^-24 (an exact product of normal floats), so tiny scales cost no microcode assist.
 inline float load_f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return f16_to_f32(h);
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  uint32_t bits;
+  if (e == 0) bits = f32_bits((float)m * 0x1p-24f);                  // zero or subnormal
+  else if (e == 31) bits = 0x7f800000u | (m << 13);                    // Inf / NaN (payload kept)
+  else bits = ((e + 112u) << 23) | (m << 13);                          // normal: rebias 15 -> 127
+  return bits_f32(sign | bits);
 }
 
 inline float load_f32(const uint8_t* p) {

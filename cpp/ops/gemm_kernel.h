@@ -89,7 +89,11 @@ inline float* scratch(int slot, int64_t n) {
 #if TALLOW_GEMM_ISA == 512
 using vec = __m512;
 constexpr int W = 16;
-constexpr int MR = 12, NV = 2;  // 24 accumulators of 32 zmm
+#ifndef UK_MR
+#define UK_MR 12
+#define UK_NV 2
+#endif
+constexpr int MR = UK_MR, NV = UK_NV;  // 24 accumulators of 32 zmm
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vbcast(float x) { return _mm512_set1_ps(x); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -233,6 +237,11 @@ static inline void micro_kernel(int64_t kc, const float* TALLOW_RESTRICT A, int6
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? vld(C + i * ldc + v * W) : vzero();
+#ifdef UK_UNROLL
+#define UK_P2(x) _Pragma(#x)
+#define UK_P(n) UK_P2(GCC unroll n)
+UK_P(UK_UNROLL)
+#endif
   for (int64_t k = 0; k < kc; ++k) {
     vec bv[NV];
 #pragma GCC unroll 4

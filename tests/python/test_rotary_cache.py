@@ -21,7 +21,8 @@ from tallow.layers.rotary import build_cos_sin_cache, llama4_attn_scale, rope_in
 from tallow.loader.config import ModelConfig, RopeConfig
 
 torch = pytest.importorskip("torch", reason="torch (CPU) is the test-only reference for RoPE")
-transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference for RoPE")
+transformers = pytest.importorskip("transformers", minversion="5.0",
+                                   reason="transformers >= 5 (rope_parameters, Ministral 3) is the test-only reference")
 mru = importlib.import_module("transformers.modeling_rope_utils")
 
 

@@ -26,7 +26,8 @@ import os
 from typing import Any, Iterable
 
 __all__ = [
-    "ModelConfig", "RopeConfig", "ConfigError", "ConfigFileNotFoundError", "SUPPORTED_FAMILIES", "SUPPORTED_GGUF_ARCHITECTURES", "ROPE_TYPES",
+    "ModelConfig", "RopeConfig", "ConfigError", "ConfigFileNotFoundError", "SUPPORTED_FAMILIES",
+    "SUPPORTED_GGUF_ARCHITECTURES", "ROPE_TYPES",
     "FULL_ATTENTION", "SLIDING_ATTENTION",
 ]
 
@@ -427,7 +428,7 @@ class ModelConfig:
         if family is None:
             what = architecture or model_type or "<none>"
             raise ConfigError(f"{source}: unsupported architecture {what!r} (model_type {model_type!r}); "
-                             f"supported families: {_supported_list()}")
+                              f"supported families: {_supported_list()}")
         if not model_type:
             model_type = family
         defaults = {**_COMMON_DEFAULTS, **_DEFAULTS.get(model_type, _DEFAULTS.get(family, {}))}
@@ -436,17 +437,23 @@ class ModelConfig:
             raise ConfigError(f"{where}: missing required key(s) {', '.join(repr(k) for k in missing)}")
 
         def get(key, *aliases, default=None):
+            """The first non-null value among the keys; an explicit null (and no other spelling) stays
+            None, as in transformers; an absent key takes the family default."""
+            present = False
             for k in (key, *aliases):
-                if text.get(k) is not None:
-                    return text[k]
+                if k in text:
+                    present = True
+                    if text[k] is not None:
+                        return text[k]
+            if present:
+                return None
             for k in (key, *aliases):
                 if k in defaults:
                     return defaults[k]
             return default
 
         try:
-            return _build_hf(cls, d, text, get, family, model_type,
-                             architecture or _FAMILY_ARCH[family], where)
+            return _build_hf(cls, text, get, family, model_type, architecture or _FAMILY_ARCH[family])
         except ConfigError:
             raise
         except (TypeError, KeyError) as e:
@@ -463,7 +470,7 @@ class ModelConfig:
         family = _GGUF_FAMILY.get(arch) if isinstance(arch, str) else None
         if family is None:
             raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+                              f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
         try:
             return _build_gguf(cls, g, arch, family, path)
         except ConfigError:
@@ -514,7 +521,7 @@ def _is_nested_rope(rp: dict, layer_type_names: Iterable[str]) -> bool:
     return bool(rp) and all(isinstance(v, dict) or v is None for v in rp.values()) and any(k in names for k in rp)
 
 
-def _layer_types(text: dict, get, family: str, model_type: str, n_layers: int, sliding_window) -> list[str]:
+def _layer_types(text: dict, get, family: str, n_layers: int, sliding_window) -> list[str]:
     lt = text.get("layer_types")
     if lt:
         return [str(x) for x in lt]
@@ -534,7 +541,7 @@ def _layer_types(text: dict, get, family: str, model_type: str, n_layers: int, s
     return [SLIDING_ATTENTION] * n_layers  # mistral, ministral, phi3, qwen3_moe: every layer
 
 
-def _build_hf(cls, d: dict, text: dict, get, family: str, model_type: str, architecture: str, where: str):
+def _build_hf(cls, text: dict, get, family: str, model_type: str, architecture: str):
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     n_layers = int(get("num_hidden_layers"))
@@ -551,7 +558,7 @@ def _build_hf(cls, d: dict, text: dict, get, family: str, model_type: str, archi
     if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not get("use_sliding_window", default=False):
         sliding_window = None
     sliding_window = _opt_int(sliding_window) or None
-    layer_types = _layer_types(text, get, family, model_type, n_layers, sliding_window)
+    layer_types = _layer_types(text, get, family, n_layers, sliding_window)
     if SLIDING_ATTENTION not in layer_types:
         sliding_window = None  # a window no layer uses
 
@@ -714,7 +721,7 @@ def _build_gguf(cls, g, arch: str, family: str, path: str):
         vocab = int(tensors["token_embd.weight"].shape[0])
     else:
         raise ConfigError(f"{path}: cannot tell the vocabulary size (no tokenizer.ggml.tokens, "
-                         f"{arch}.vocab_size or token_embd.weight)")
+                          f"{arch}.vocab_size or token_embd.weight)")
 
     # RoPE
     theta = float(key("rope.freq_base", 10000.0))

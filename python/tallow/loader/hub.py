@@ -220,6 +220,10 @@ def download_model(repo_id: str, revision: str | None = None, gguf_file: str | N
 
     try:
         kind, wanted = choose_files(repo_id, files, gguf_file, read_remote_index)
+        absent = [f for f in wanted if f not in files]
+        if absent:
+            raise HubError(f"{repo_id}: {SAFETENSORS_INDEX} names files the repository does not have: "
+                           + ", ".join(absent))
         root = snapshot_download(repo_id, revision=revision, token=token,
                                  allow_patterns=[_literal(f) for f in wanted])
     except HubError:

@@ -171,7 +171,7 @@ def _added_tokens(tokens: list[str], types: np.ndarray, *, rstrip_specials: bool
         t = tokens[i]
         # Phi-3 (llama.cpp sets the same attribute by model name): added tokens eat the whitespace after them
         rstrip = rstrip_specials and t not in no_rstrip
-        if types[i] == USER_DEFINED and t != "</s>":
+        if types[i] == USER_DEFINED:
             user.append(AddedToken(t, special=False, normalized=False, rstrip=rstrip))
         else:
             special.append(AddedToken(t, special=True, normalized=False, rstrip=rstrip))

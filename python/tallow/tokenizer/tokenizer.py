@@ -261,6 +261,21 @@ class Tokenizer:
     def _refresh_special(self) -> None:
         dec = self._tk.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in dec.items() if t.special)
+        # Non-special added tokens that the decoder would garble: a byte-level decoder reads the
+        # characters of e.g. DeepSeek's added token "ü" as GPT-2 byte symbols (one invalid byte).
+        # They decode to their own text instead, as llama.cpp does for user-defined tokens.
+        self._raw_added: dict[int, str] = {}
+        decoder = self._tk.decoder
+        if decoder is not None:
+            for i, t in dec.items():
+                if t.special or "\ufffd" in t.content:
+                    continue
+                try:
+                    garbled = "\ufffd" in decoder.decode([t.content])
+                except Exception:
+                    garbled = False
+                if garbled:
+                    self._raw_added[i] = t.content
 
     # -- the API ------------------------------------------------------------------------------
     @property
@@ -289,7 +304,21 @@ class Tokenizer:
         for i in ids:
             if not 0 <= i < n:
                 raise ValueError(f"token id {i} is out of range for a vocabulary of {n}")
-        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not self._raw_added or self._raw_added.keys().isdisjoint(ids):
+            return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, seg = [], []
+        for i in ids:
+            raw = self._raw_added.get(i)
+            if raw is None:
+                seg.append(i)
+                continue
+            if seg:
+                parts.append(self._tk.decode(seg, skip_special_tokens=skip_special_tokens))
+                seg = []
+            parts.append(raw)
+        if seg:
+            parts.append(self._tk.decode(seg, skip_special_tokens=skip_special_tokens))
+        return "".join(parts)
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]):
         if isinstance(ids, int):

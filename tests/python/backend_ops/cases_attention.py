@@ -50,7 +50,8 @@ def _case(name, tq, tk, hq, hk, d, dv=None, batch=None, causal=True, window=0, s
                 "v": rng.standard_normal(lead + (tk, hk, dv))}
 
     def run(t, dtype, dev):
-        return tallow.ops.attention(t["q"], t["k"], t["v"], scale, causal=causal, sliding_window=window, softcap=softcap)
+        return tallow.ops.attention(t["q"], t["k"], t["v"], scale, causal=causal, sliding_window=window,
+                                    softcap=softcap)
 
     def ref(r):
         return attention_ref(r["q"], r["k"], r["v"], scale, causal, window, softcap)

@@ -87,7 +87,8 @@ register(
     _float_case("i32-2d", v=100, d=64, ids_shape=(3, 7)),
     _float_case("i64-1d", v=257, d=96, ids_shape=(11,), ids_dtype=np.int64),
     # 0-D ids (passed as an int: the harness turns 0-D arrays into shape [1]) -> out [D]
-    OpCase("embedding[scalar-id]", lambda rng, d: {"id": int(rng.integers(0, 10)), "table": rng.standard_normal((10, 33))},
+    OpCase("embedding[scalar-id]",
+           lambda rng, d: {"id": int(rng.integers(0, 10)), "table": rng.standard_normal((10, 33))},
            lambda t, d, dev: tallow.ops.embedding(tallow.from_numpy(np.array(t["id"], dtype=np.int64)), t["table"]),
            lambda r: r["table"][r["id"]], tol=dict(EXACT)),
     _float_case("to-f32", v=64, d=48, ids_shape=(2, 5), out_dtype="float32"),
