@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_attention.py).
 // Reference attention over contiguous (non-paged) K/V: the baseline that paged and GPU kernels
 // are checked against, so it is written to be read first and to be fast enough for small models
 // second.

@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_embedding.py).
 // Embedding lookup: out[..., :] = table[ids[...], :].
 //
 // Float tables (f32/f16/bf16) are copied row by row, converted through f32 when the output dtype

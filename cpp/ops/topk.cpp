@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_topk.py).
 // argmax and top-k over the last dimension, one row per task, rows in parallel.
 //
 // Order used by both (a total order on (value, index) pairs, so results are deterministic):

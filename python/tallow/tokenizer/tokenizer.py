@@ -259,6 +259,8 @@ class Tokenizer:
         return self._adds_bos_eos()[1]
 
     def _refresh_special(self) -> None:
+        """Recompute what depends on the added tokens (call after changing ``backend_tokenizer``)."""
+        self._n = self._tk.get_vocab_size(with_added_tokens=True)  # slow in tokenizers: cached
         dec = self._tk.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in dec.items() if t.special)
         # Non-special added tokens that the decoder would garble: a byte-level decoder reads the
@@ -285,7 +287,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tk.get_vocab_size(with_added_tokens=True)
+        return self._n
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -300,10 +302,9 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
-        n = self.vocab_size
-        for i in ids:
-            if not 0 <= i < n:
-                raise ValueError(f"token id {i} is out of range for a vocabulary of {n}")
+        if ids and (min(ids) < 0 or max(ids) >= self._n):
+            bad = next(i for i in ids if not 0 <= i < self._n)
+            raise ValueError(f"token id {bad} is out of range for a vocabulary of {self._n}")
         if not self._raw_added or self._raw_added.keys().isdisjoint(ids):
             return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
         parts, seg = [], []
