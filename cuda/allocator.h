@@ -17,22 +17,6 @@
 
 namespace tallow::cuda {
 
-struct PoolState;
-
-class GraphPool {
- public:
-  explicit GraphPool(int device);
-  ~GraphPool();
-  GraphPool(const GraphPool&) = delete;
-  GraphPool& operator=(const GraphPool&) = delete;
-  int device() const { return device_; }
-  PoolState* state() const { return state_; }
-
- private:
-  int device_;
-  PoolState* state_;
-};
-
 // Route this thread's allocations on `device` to `pool` (nullptr: back to the shared cache).
 void set_capture_pool(int device, GraphPool* pool);
 

@@ -123,7 +123,20 @@ int64_t pinned_bytes_reserved();
 // A memory pool owned by one or more graphs: allocations made while capturing come from it and stay
 // reserved for replays. Pass the same pool to several captures to share memory between graphs that
 // never run concurrently.
-class GraphPool;
+struct PoolState;
+class GraphPool {
+ public:
+  explicit GraphPool(int device);
+  ~GraphPool();
+  GraphPool(const GraphPool&) = delete;
+  GraphPool& operator=(const GraphPool&) = delete;
+  int device() const { return device_; }
+  PoolState* state() const { return state_; }
+
+ private:
+  int device_;
+  PoolState* state_;
+};
 std::shared_ptr<GraphPool> new_graph_pool(int device = -1);
 
 class Graph {

@@ -266,6 +266,25 @@ Tensor Tensor::expand(const Shape& shape) const {
   return Tensor(storage_, shape, st, offset_, dtype_);
 }
 
+Tensor Tensor::as_strided(const Shape& shape, const Shape& strides, int64_t offset) const {
+  TALLOW_CHECK(shape.size() == strides.size(), "as_strided: shape ", shape_str(shape), " and strides ",
+               shape_str(strides), " differ in rank");
+  TALLOW_CHECK(offset >= 0, "as_strided: negative offset ", offset);
+  int64_t last = offset;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    TALLOW_CHECK(shape[i] >= 0 && strides[i] >= 0, "as_strided: negative size or stride in ", shape_str(shape), " / ",
+                 shape_str(strides));
+    if (shape[i] == 0) last = -1;
+    if (last >= 0) last += (shape[i] - 1) * strides[i];
+  }
+  if (last >= 0) {
+    const int64_t end_bytes = dtype_nbytes(dtype_, (last / dtype_block_size(dtype_) + 1) * dtype_block_size(dtype_));
+    TALLOW_CHECK(end_bytes <= (int64_t)storage_->nbytes(), "as_strided: view ", shape_str(shape), " strides ",
+                 shape_str(strides), " offset ", offset, " reaches past the storage (", storage_->nbytes(), " bytes)");
+  }
+  return Tensor(storage_, shape, strides, offset, dtype_);
+}
+
 Tensor Tensor::view_as_dtype(DType dtype, Shape shape) const {
   TALLOW_CHECK(is_contiguous(), "view_as_dtype: tensor of shape ", shape_str(shape_), " is not contiguous");
   TALLOW_CHECK(dtype_nbytes(dtype, shape_numel(shape)) == nbytes(), "view_as_dtype: ", nbytes(), " bytes of ",

@@ -60,6 +60,8 @@ class Tensor {
   Tensor unsqueeze(int64_t dim) const;
   Tensor squeeze(int64_t dim) const;
   Tensor expand(const Shape& shape) const;  // broadcast view (stride 0)
+  // Any view of the same storage (bounds-checked): shape, strides and offset in elements.
+  Tensor as_strided(const Shape& shape, const Shape& strides, int64_t offset) const;
   // Same bytes read as another dtype of the same byte count per row (e.g. u8 <-> q4_0 rows).
   Tensor view_as_dtype(DType dtype, Shape shape) const;
 

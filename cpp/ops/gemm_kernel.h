@@ -143,9 +143,14 @@ static inline float vsum(vec v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 #endif
 
 constexpr int NR = NV * W;             // micro-tile columns
-constexpr int64_t KC = 256;            // K slab
-constexpr int64_t MC = MR * (120 / MR);  // rows of A packed per slab (~120)
-constexpr int64_t NCT = 256;           // columns of C per task (multiple of NR)
+#ifndef UK_KC
+#define UK_KC 256
+#define UK_MC 120
+#define UK_NCT 256
+#endif
+constexpr int64_t KC = UK_KC;            // K slab
+constexpr int64_t MC = MR * (UK_MC / MR);  // rows of A packed per slab (~120)
+constexpr int64_t NCT = UK_NCT;           // columns of C per task (multiple of NR)
 constexpr int64_t kSmallM = 16;        // at most this many rows: GEMV paths, no packing
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -319,8 +324,13 @@ static void packed_task(const Problem& p, int64_t bt, int64_t j0, int64_t mb0, i
     for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
       const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
       pack_a(a, p.rsa, p.csa, i0, mc, k0, kc, ap);
+#ifdef UK_JR_OUTER
+      for (int64_t jr = 0; jr < ncp; jr += NR)
+        for (int64_t ir = 0; ir < mc; ir += MR)
+#else
       for (int64_t ir = 0; ir < mc; ir += MR)
         for (int64_t jr = 0; jr < ncp; jr += NR)
+#endif
           micro_kernel(kc, ap + ir * kc, kc, bp + jr * K + k0 * NR, tile + ir * ncp + jr, ncp, k0 > 0);
     }
     store_tile<T>(p, c, bias, tile, ncp, i0, mc, j0, nc);

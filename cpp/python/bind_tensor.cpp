@@ -309,6 +309,8 @@ void bind_tensor(py::module_& m) {
       .def("expand", [](const Tensor& t, py::args shape) { return t.expand(py::len(shape) == 1 && !py::isinstance<py::int_>(shape[0]) ? shape[0].cast<Shape>() : shape.cast<Shape>()); })
       .def("view_as_dtype", [](const Tensor& t, const py::object& d, const Shape& s) { return t.view_as_dtype(to_dtype(d), s); },
            py::arg("dtype"), py::arg("shape"))
+      .def("as_strided", &Tensor::as_strided, py::arg("shape"), py::arg("strides"), py::arg("offset"),
+           "View of the same storage with explicit shape, strides and offset (in elements)")
       .def("contiguous", &Tensor::contiguous)
       .def("clone", &Tensor::clone)
       .def("copy_", [](Tensor& t, const Tensor& src) { t.copy_(src); return t; }, py::arg("src"))

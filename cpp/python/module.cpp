@@ -10,6 +10,7 @@ void bind_tensor(py::module_& m);
 void bind_ops(py::module_& m);
 void bind_backends(py::module_& m);
 void bind_cuda(py::module_& m);
+void bind_paged_attention(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tallow's C++ core: tensors and ops";
@@ -31,6 +32,7 @@ PYBIND11_MODULE(_core, m) {
         "Set the threads used by CPU kernels (n <= 0: all cores, or TALLOW_NUM_THREADS)");
   bind_tensor(m);
   bind_ops(m);
+  bind_paged_attention(m);
   bind_backends(m);
   bind_cuda(m);
 }

@@ -12,6 +12,8 @@ from tallow._core import (  # noqa: F401
     linear,
     matmul,
     mul,
+    paged_attention,
+    reshape_and_cache,
     rms_norm,
     rotary_embedding,
     scale,

@@ -30,11 +30,11 @@ def to_inputs(raw, dtype, device):
     tl_in, ref_in = {}, {}
     for key, val in raw.items():
         if isinstance(val, Keep):
-            t = tallow.tensor(val.array, dtype=val.dtype) if val.dtype else tallow.from_numpy(np.ascontiguousarray(val.array))
+            t = tallow.tensor(val.array, dtype=val.dtype) if val.dtype else tallow.from_numpy(np.require(val.array, requirements="C"))
         elif isinstance(val, np.ndarray) and val.dtype.kind == "f":
             t = tallow.tensor(val.astype(np.float32), dtype=dtype)
         elif isinstance(val, np.ndarray):
-            t = tallow.from_numpy(np.ascontiguousarray(val))
+            t = tallow.from_numpy(np.require(val, requirements="C"))
         else:
             tl_in[key] = ref_in[key] = val
             continue

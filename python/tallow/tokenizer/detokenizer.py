@@ -24,12 +24,10 @@ special tokens that decode skips do not end a run).
 """
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 6  # prompt tokens decoded along with the output, for context
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def byte_fallback_ids(tokenizer) -> frozenset[int]:
@@ -39,11 +37,11 @@ def byte_fallback_ids(tokenizer) -> frozenset[int]:
     if cached is not None:
         return cached
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    ids = frozenset(i for t, i in backend.get_vocab(with_added_tokens=False).items() if _BYTE_PIECE.fullmatch(t))
-    if ids:
-        probe = backend.token_to_id("<0x41>")
-        if probe is None or backend.decode([probe], skip_special_tokens=False) != "A":
-            ids = frozenset()
+    ids: frozenset[int] = frozenset()
+    probe = backend.token_to_id("<0x41>")
+    if probe is not None and backend.decode([probe], skip_special_tokens=False) == "A":
+        found = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        ids = frozenset(i for i in found if i is not None)
     try:
         tokenizer._tallow_byte_fallback_ids = ids
     except AttributeError:

@@ -1,0 +1,45 @@
+// Paged attention over a block-table KV cache, and the KV-cache write that fills it (vLLM's layout).
+//
+// A layer's cache is two tensors k_cache [num_blocks, block_size, Hk, D] and v_cache
+// [num_blocks, block_size, Hk, Dv] (float32, float16 or bfloat16; any strides with a contiguous
+// last dim). Token position p of a sequence with block table `table` lives in block
+// table[p / block_size] at row p % block_size; a flat slot s is block s / block_size, row
+// s % block_size.
+#pragma once
+#include <optional>
+
+#include "core/tensor.h"
+
+namespace tallow::ops {
+
+// Writes token t's K and V (k [T, Hk, D], v [T, Hk, Dv]) into flat slot slot_mapping[t]
+// (i32/i64 [T]) of k_cache / v_cache; a negative slot skips the token (padding). The caches may
+// have another float dtype than k/v (values are converted, rounding to nearest even). Every
+// slot is checked before anything is written. Two tokens mapped to one slot: one of them wins.
+void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& slot_mapping);
+
+// Causal attention of the new tokens of B sequences over their paged KV (written already,
+// e.g. by reshape_and_cache). One code path for decode, prefill, prefill over a cached prefix
+// and chunked prefill, mixed in one batch.
+//   q               [T, Hq, D] float; Hq % Hk == 0 (GQA/MQA)
+//   block_tables    i32/i64 [B, max_blocks]: block ids of each sequence
+//   seq_lens        i32/i64 [B]: tokens of sequence b including its new ones (<= max_blocks * block_size)
+//   query_start_loc i32/i64 [B + 1]: sequence b's queries are rows query_start_loc[b] ..
+//                   query_start_loc[b + 1] of q (non-decreasing, from 0 to T). They are its last
+//                   n_b tokens: query i sits at position seq_lens[b] - n_b + i (so n_b <= seq_lens[b]).
+// Scores are scale * <q, k> in f32, then softcap * tanh(s / softcap) when softcap > 0; a query
+// at position p sees keys j <= p, and with sliding_window W > 0 only keys p - W < j <= p
+// (the same semantics as ops::attention). Online softmax with f32 accumulation.
+// Output [T, Hq, Dv] in q's dtype (written into `out` when given). k_cache and v_cache share a
+// dtype, which may differ from q's.
+//
+// Work is split over (sequence, kv head, block of queries): the query heads of one kv head are
+// processed together so each K/V row is read once per group. When that gives fewer work items than
+// about twice the thread count, query blocks shrink and then long KV ranges are split across
+// threads (flash-decoding) and merged; only then can the last bits depend on the thread count.
+Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+                       const Tensor& seq_lens, const Tensor& query_start_loc, float scale,
+                       int64_t sliding_window = 0, float softcap = 0.0f, const std::optional<Tensor>& out = {});
+
+}  // namespace tallow::ops

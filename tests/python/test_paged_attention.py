@@ -1,0 +1,355 @@
+"""paged_attention and reshape_and_cache: a float64 numpy reference, the contiguous reference
+attention (tallow.ops.attention), the engine's write-then-attend cycle, thread-count independence,
+strided caches, and bad input.
+
+Bounds (relative L2 error, ‖out − ref‖ / ‖ref‖, inputs rounded to the dtype before the reference
+sees them): float32 1e-5 (f32 accumulation), float16 1e-3 and bfloat16 8e-3 (one rounding of each
+output). Against tallow.ops.attention on the same rounded inputs the same bounds hold: both
+kernels accumulate in f32 (their f32 results differ by ~1e-7 relative) and round once, so they
+differ by one output ulp only where an f32 result sits at a rounding boundary.
+"""
+import numpy as np
+import pytest
+
+import tallow
+from tallow import ops
+from backend_ops import relative_error
+from backend_ops.cases_attention import attention_ref
+from backend_ops.cases_paged_attention import gather_kv, make_batch, paged_ref, scatter_ref
+
+FLOATS = ("float32", "float16", "bfloat16")
+TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+TOL_VS_ATTENTION = TOL
+INDEX_KEYS = ("block_tables", "seq_lens", "query_start_loc")
+
+# (seq_len, new tokens): decode, fresh prefill, prefill over a cached prefix, chunked-prefill
+# chunk, a single-token sequence, a long decode.
+MIXED = [(45, 1), (64, 64), (77, 20), (1, 1), (130, 33), (300, 1)]
+
+
+def as_tensors(inp, dtype, cache_dtype=None, index_dtype=np.int32):
+    """(tallow inputs, float64 reference inputs): floats rounded to their dtype."""
+    cache_dtype = cache_dtype or dtype
+    tl, ref = {}, {}
+    for key, val in inp.items():
+        if key in INDEX_KEYS:
+            arr = np.ascontiguousarray(val.astype(index_dtype))
+            tl[key], ref[key] = tallow.from_numpy(arr), arr
+        else:
+            t = tallow.tensor(val.astype(np.float32), dtype=dtype if key == "q" else cache_dtype)
+            tl[key], ref[key] = t, t.to("float32").numpy().astype(np.float64)
+    return tl, ref
+
+
+def run_paged(tl, scale, **kw):
+    return ops.paged_attention(tl["q"], tl["k_cache"], tl["v_cache"], *(tl[k] for k in INDEX_KEYS), scale, **kw)
+
+
+def to_np(t):
+    return t.to("float32").numpy().astype(np.float64)
+
+
+@pytest.fixture
+def threads():
+    """Restores the thread count a test changes."""
+    n = tallow.get_num_threads()
+    yield
+    tallow.set_num_threads(n)
+
+
+# ---- against the float64 reference --------------------------------------------------------------
+
+CONFIGS = [  # hq, hk, d, block_size, window, softcap, qmul
+    pytest.param(8, 2, 128, 16, 0, 0.0, 2.0, id="gqa8:2-d128-bs16"),
+    pytest.param(8, 2, 64, 32, 0, 0.0, 2.0, id="gqa8:2-d64-bs32"),
+    pytest.param(4, 1, 80, 16, 0, 0.0, 2.0, id="mqa-d80-bs16"),
+    pytest.param(6, 1, 128, 32, 0, 0.0, 1.0, id="mqa6-d128-bs32"),
+    pytest.param(4, 4, 64, 16, 0, 0.0, 1.0, id="mha-d64-bs16"),
+    pytest.param(8, 2, 64, 16, 24, 0.0, 3.0, id="window24-bs16"),
+    pytest.param(4, 1, 80, 32, 40, 0.0, 3.0, id="window40-mqa-bs32"),
+    pytest.param(8, 2, 128, 16, 0, 4.0, 4.0, id="softcap4-d128"),
+    pytest.param(8, 2, 64, 32, 17, 3.0, 4.0, id="window17-softcap3-bs32"),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("hq,hk,d,bs,window,softcap,qmul", CONFIGS)
+def test_matches_numpy_reference(rng, dtype, hq, hk, d, bs, window, softcap, qmul):
+    inp = make_batch(rng, MIXED, hq, hk, d, bs, qmul=qmul)
+    tl, ref = as_tensors(inp, dtype)
+    scale = d**-0.5
+    out = run_paged(tl, scale, sliding_window=window, softcap=softcap)
+    assert out.shape == (inp["q"].shape[0], hq, d) and out.dtype == tl["q"].dtype
+    expect = paged_ref(ref["q"], ref["k_cache"], ref["v_cache"], *(ref[k] for k in INDEX_KEYS), scale, window, softcap)
+    err = relative_error(to_np(out), expect)
+    assert err <= TOL[dtype], f"rel err {err:.3g} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("hq,hk,d,bs,window,softcap,qmul", CONFIGS[:3] + CONFIGS[5:6] + CONFIGS[7:8])
+def test_matches_contiguous_attention(rng, dtype, hq, hk, d, bs, window, softcap, qmul):
+    """Each sequence against tallow.ops.attention over its K/V gathered out of the cache."""
+    inp = make_batch(rng, MIXED, hq, hk, d, bs, qmul=qmul)
+    tl, ref = as_tensors(inp, dtype)
+    scale = d**-0.5
+    out = to_np(run_paged(tl, scale, sliding_window=window, softcap=softcap))
+    qsl, lens = ref["query_start_loc"], ref["seq_lens"]
+    for b in range(len(lens)):
+        q0, q1, L = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        k = tallow.tensor(gather_kv(ref["k_cache"], ref["block_tables"][b], L).astype(np.float32), dtype=dtype)
+        v = tallow.tensor(gather_kv(ref["v_cache"], ref["block_tables"][b], L).astype(np.float32), dtype=dtype)
+        q = tallow.tensor(ref["q"][q0:q1].astype(np.float32), dtype=dtype)
+        try:
+            expect = to_np(ops.attention(q, k, v, scale, causal=True, sliding_window=window, softcap=softcap))
+        except NotImplementedError as e:
+            pytest.skip(f"tallow.ops.attention is not implemented yet: {e}")
+        err = relative_error(out[q0:q1], expect)
+        assert err <= TOL_VS_ATTENTION[dtype], f"sequence {b} (len {L}, {q1 - q0} new): rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", [("float32", "bfloat16"), ("float32", "float16"),
+                                                   ("bfloat16", "float32"), ("float16", "bfloat16")])
+def test_q_and_cache_dtypes_differ(rng, q_dtype, cache_dtype):
+    inp = make_batch(rng, MIXED, 8, 2, 64, 16, qmul=2.0)
+    tl, ref = as_tensors(inp, q_dtype, cache_dtype)
+    out = run_paged(tl, 0.125)
+    assert out.dtype == tl["q"].dtype
+    expect = paged_ref(ref["q"], ref["k_cache"], ref["v_cache"], *(ref[k] for k in INDEX_KEYS), 0.125)
+    assert relative_error(to_np(out), expect) <= TOL[q_dtype]
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3, 8, 32])
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(2000, 1)], id="one-long-decode"),
+    pytest.param([(700, 1), (1100, 1)], id="two-decodes"),
+    pytest.param([(900, 40)], id="chunk-over-long-prefix"),
+    pytest.param(MIXED, id="mixed"),
+])
+def test_thread_counts_and_split_keys(rng, threads, nthreads, seqs):
+    """Few (sequence, kv head) items against many threads split the key range (flash-decoding)
+    and merge the parts; any thread count gives the reference within the f32 bound."""
+    inp = make_batch(rng, seqs, 4, 1, 128, 32, qmul=2.0)
+    tl, ref = as_tensors(inp, "float32")
+    tallow.set_num_threads(nthreads)
+    out = to_np(run_paged(tl, 128**-0.5))
+    expect = paged_ref(ref["q"], ref["k_cache"], ref["v_cache"], *(ref[k] for k in INDEX_KEYS), 128**-0.5)
+    assert relative_error(out, expect) <= TOL["float32"]
+    tallow.set_num_threads(1)
+    np.testing.assert_allclose(out, to_np(run_paged(tl, 128**-0.5)), rtol=2e-5, atol=2e-6)
+
+
+def test_index_dtypes_and_zero_query_sequences(rng):
+    """i64 indices work like i32; a sequence with no new tokens this step is skipped."""
+    seqs = [(30, 4), (12, 0), (50, 1), (9, 0)]
+    inp = make_batch(rng, seqs, 4, 2, 64, 16)
+    tl32, ref = as_tensors(inp, "float32")
+    tl64, _ = as_tensors(inp, "float32", index_dtype=np.int64)
+    out32, out64 = to_np(run_paged(tl32, 0.125)), to_np(run_paged(tl64, 0.125))
+    np.testing.assert_array_equal(out32, out64)
+    expect = paged_ref(ref["q"], ref["k_cache"], ref["v_cache"], *(ref[k] for k in INDEX_KEYS), 0.125)
+    assert relative_error(out32, expect) <= TOL["float32"]
+
+
+def test_unused_and_out_of_window_table_entries_are_not_read(rng):
+    """Table entries past a sequence's blocks, and blocks wholly before its sliding window, may
+    hold anything (here -1): they are neither read nor checked."""
+    seqs = [(200, 1), (150, 10)]
+    window, bs = 32, 16
+    inp = make_batch(rng, seqs, 4, 2, 64, bs, pad=-1)
+    tl, ref = as_tensors(inp, "float32")
+    expect = paged_ref(ref["q"], ref["k_cache"], ref["v_cache"], *(ref[k] for k in INDEX_KEYS), 0.125, window)
+    tables = ref["block_tables"].copy()
+    for b, (L, n) in enumerate(seqs):
+        first_visible = max(0, L - n - window + 1)
+        tables[b, :first_visible // bs] = -1
+    tl["block_tables"] = tallow.from_numpy(tables)
+    out = to_np(run_paged(tl, 0.125, sliding_window=window))
+    assert relative_error(out, expect) <= TOL["float32"]
+    with pytest.raises(ValueError, match=r"paged_attention.*block_tables\[0, 0\] = -1"):
+        run_paged(tl, 0.125)  # without the window block 0 is read
+
+
+def test_strided_caches_and_q(rng):
+    """K and V as views of one [NB, 2, BS, Hk, D] buffer; q a head slice of a fused qkv."""
+    seqs, hq, hk, d, bs = [(40, 7), (33, 1)], 4, 2, 64, 16
+    inp = make_batch(rng, seqs, hq, hk, d, bs)
+    kv = tallow.from_numpy(np.stack([inp["k_cache"], inp["v_cache"]], axis=1).astype(np.float32))
+    k_cache, v_cache = kv.select(1, 0), kv.select(1, 1)
+    assert not k_cache.is_contiguous()
+    T = inp["q"].shape[0]
+    qkv = tallow.from_numpy(np.concatenate([inp["q"], rng.standard_normal((T, 2 * hk, d))], axis=1).astype(np.float32))
+    q = qkv.narrow(1, 0, hq)
+    idx = [tallow.from_numpy(inp[k]) for k in INDEX_KEYS]
+    out = to_np(ops.paged_attention(q, k_cache, v_cache, *idx, 0.125))
+    f32 = {k: inp[k].astype(np.float32).astype(np.float64) for k in ("q", "k_cache", "v_cache")}
+    expect = paged_ref(f32["q"], f32["k_cache"], f32["v_cache"], *(inp[k] for k in INDEX_KEYS), 0.125)
+    assert relative_error(out, expect) <= TOL["float32"]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_out_argument_is_filled(rng, dtype):
+    inp = make_batch(rng, MIXED, 8, 2, 64, 16)
+    tl, _ = as_tensors(inp, dtype)
+    out = tallow.tensor(np.full((inp["q"].shape[0], 8, 64), np.nan, np.float32), dtype=dtype)
+    res = run_paged(tl, 0.125, out=out)
+    assert not np.isnan(out.to("float32").numpy()).any()
+    np.testing.assert_array_equal(res.to("float32").numpy(), run_paged(tl, 0.125).to("float32").numpy())
+    with pytest.raises(ValueError, match="paged_attention.*out"):
+        run_paged(tl, 0.125, out=tallow.empty([inp["q"].shape[0], 8, 32], dtype))
+    with pytest.raises(TypeError, match="paged_attention.*out"):
+        run_paged(tl, 0.125, out=tallow.empty([inp["q"].shape[0], 8, 64], "float32" if dtype != "float32" else "float16"))
+
+
+# ---- reshape_and_cache ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("src_dtype", FLOATS)
+@pytest.mark.parametrize("cache_dtype", FLOATS)
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+def test_reshape_and_cache_round_trip(rng, src_dtype, cache_dtype, slot_dtype):
+    T, hk, d, dv, bs, nb = 37, 2, 80, 64, 16, 4
+    k = tallow.tensor(rng.standard_normal((T, hk, d)).astype(np.float32), dtype=src_dtype)
+    v = tallow.tensor(rng.standard_normal((T, hk, dv)).astype(np.float32), dtype=src_dtype)
+    kc0 = rng.standard_normal((nb, bs, hk, d)).astype(np.float32)
+    vc0 = rng.standard_normal((nb, bs, hk, dv)).astype(np.float32)
+    k_cache, v_cache = tallow.tensor(kc0, dtype=cache_dtype), tallow.tensor(vc0, dtype=cache_dtype)
+    before_k, before_v = to_np(k_cache), to_np(v_cache)
+    slots = rng.permutation(nb * bs)[:T].astype(slot_dtype)
+    slots[[0, 5, T - 1]] = -1  # padding tokens, including the first and the last
+    ops.reshape_and_cache(k, v, k_cache, v_cache, tallow.from_numpy(slots))
+    # Expected: the inputs rounded to the cache dtype (one rounding, nearest even) in their slots.
+    k_as = to_np(tallow.tensor(k.to("float32").numpy(), dtype=cache_dtype))
+    v_as = to_np(tallow.tensor(v.to("float32").numpy(), dtype=cache_dtype))
+    ek, ev = scatter_ref(k_as, v_as, before_k, before_v, slots)
+    np.testing.assert_array_equal(to_np(k_cache), ek)
+    np.testing.assert_array_equal(to_np(v_cache), ev)
+
+
+def test_write_then_attend_matches_attention(rng, threads):
+    """The engine's cycle: chunked prefill then decode steps, each writing its new K/V with
+    reshape_and_cache and attending over the paged cache, equals contiguous attention."""
+    hq, hk, d, bs, nb, dtype = 8, 2, 64, 16, 24, "bfloat16"
+    lens = [53, 20]  # final lengths of two sequences
+    k_all = [rng.standard_normal((L, hk, d)).astype(np.float32) for L in lens]
+    v_all = [rng.standard_normal((L, hk, d)).astype(np.float32) for L in lens]
+    q_all = [2 * rng.standard_normal((L, hq, d)).astype(np.float32) for L in lens]
+    k_cache = tallow.tensor(rng.standard_normal((nb, bs, hk, d)).astype(np.float32), dtype=dtype)
+    v_cache = tallow.tensor(rng.standard_normal((nb, bs, hk, d)).astype(np.float32), dtype=dtype)
+    perm = rng.permutation(nb)
+    tables = np.stack([perm[:8], perm[8:16]]).astype(np.int32)
+    outs = [np.zeros((L, hq, d)) for L in lens]
+    done = [0, 0]
+    # steps: {seq: new tokens}: prefill chunks, then mixed decode + prefill, then decodes
+    steps = [{0: 30}, {0: 15, 1: 12}, {0: 1, 1: 8}] + [{0: 1}] * 7
+    for step in steps:
+        ks, vs, qs, slots, qsl, seq_lens, rows = [], [], [], [], [0], [], []
+        for b, n in step.items():
+            p0 = done[b]
+            ks.append(k_all[b][p0:p0 + n])
+            vs.append(v_all[b][p0:p0 + n])
+            qs.append(q_all[b][p0:p0 + n])
+            pos = np.arange(p0, p0 + n)
+            slots.append(tables[b][pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(p0 + n)
+            rows.append((b, p0, n))
+            done[b] += n
+        cat = lambda xs: tallow.tensor(np.concatenate(xs), dtype=dtype)
+        ops.reshape_and_cache(cat(ks), cat(vs), k_cache, v_cache, tallow.from_numpy(np.concatenate(slots)))
+        out = ops.paged_attention(cat(qs), k_cache, v_cache, tallow.from_numpy(tables[list(step)]),
+                                  tallow.from_numpy(np.array(seq_lens, np.int32)),
+                                  tallow.from_numpy(np.array(qsl, np.int32)), d**-0.5)
+        out = to_np(out)
+        for i, (b, p0, n) in enumerate(rows):
+            outs[b][p0:p0 + n] = out[qsl[i]:qsl[i + 1]]
+    for b, L in enumerate(lens):
+        assert done[b] == L
+        r = lambda x: to_np(tallow.tensor(x, dtype=dtype))
+        expect = attention_ref(r(q_all[b]), r(k_all[b]), r(v_all[b]), d**-0.5)
+        assert relative_error(outs[b], expect) <= TOL[dtype]
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+def _good(rng, dtype="float32"):
+    inp = make_batch(rng, [(20, 3), (35, 1)], 4, 2, 64, 16)
+    tl, _ = as_tensors(inp, dtype)
+    return tl
+
+
+def _call(tl, **kw):
+    args = dict(tl)
+    args.update(kw)
+    return ops.paged_attention(args["q"], args["k_cache"], args["v_cache"], *(args[k] for k in INDEX_KEYS), 0.125)
+
+
+def i32(x):
+    return tallow.from_numpy(np.asarray(x, dtype=np.int32))
+
+
+def f32(shape):
+    return tallow.from_numpy(np.ones(shape, np.float32))
+
+
+def test_paged_attention_bad_shapes(rng):
+    tl = _good(rng)
+    nb, bs = tl["k_cache"].shape[:2]
+    table = tl["block_tables"].numpy()
+    bad = [
+        ({"q": f32((4, 3, 64))}, "multiple of kv heads"),             # Hq % Hk != 0
+        ({"q": f32((4, 4, 32))}, "head dims"),                         # D of q and k_cache differ
+        ({"q": f32((4, 4))}, "q must be 3-D"),
+        ({"v_cache": f32((nb, bs, 1, 64))}, "k_cache.*v_cache"),       # kv heads of the caches differ
+        ({"k_cache": f32((nb, 4, 64))}, "k_cache must be 4-D"),
+        ({"block_tables": i32(np.where(table == table[1, 2], nb, table))}, r"block_tables\[1, 2\] = %d is out of range" % nb),
+        ({"block_tables": i32(np.where(table == table[0, 0], -3, table))}, r"block_tables\[0, 0\] = -3"),
+        ({"seq_lens": i32([20, table.shape[1] * bs + 1])}, r"seq_lens\[1\] = \d+ exceeds its block table"),
+        ({"seq_lens": i32([2, 35])}, r"seq_lens\[0\] = 2 is less than its 3 new tokens"),
+        ({"seq_lens": i32([20])}, "block_tables must be"),
+        ({"query_start_loc": i32([0, 3, 5])}, "query_start_loc must run from 0"),
+        ({"query_start_loc": i32([0, 5, 4])}, "non-decreasing|seq_lens"),
+        ({"block_tables": i32(table[0])}, "block_tables must be 2-D"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match="paged_attention: .*" + msg):
+            _call(tl, **kw)
+
+
+def test_paged_attention_bad_dtypes_and_options(rng):
+    tl = _good(rng)
+    with pytest.raises(TypeError, match="paged_attention: k_cache .* and v_cache .* same dtype"):
+        _call(tl, v_cache=tl["v_cache"].to("float16"))
+    with pytest.raises(TypeError, match="paged_attention: block_tables must be one of"):
+        _call(tl, block_tables=f32(tl["block_tables"].shape))
+    with pytest.raises(TypeError, match="paged_attention: q must be float32"):
+        _call(tl, q=i32(np.ones((4, 4, 64))))
+    q, k, v = tl["q"], tl["k_cache"], tl["v_cache"]
+    idx = [tl[k_] for k_ in INDEX_KEYS]
+    with pytest.raises(ValueError, match="paged_attention: sliding_window"):
+        ops.paged_attention(q, k, v, *idx, 0.125, sliding_window=-1)
+    with pytest.raises(ValueError, match="paged_attention: softcap"):
+        ops.paged_attention(q, k, v, *idx, 0.125, softcap=-2.0)
+    with pytest.raises(ValueError, match="paged_attention: scale"):
+        ops.paged_attention(q, k, v, *idx, float("inf"))
+
+
+def test_reshape_and_cache_bad_input(rng):
+    T, hk, d, bs, nb = 5, 2, 64, 16, 3
+    k, v = f32((T, hk, d)), f32((T, hk, d))
+    kc, vc = f32((nb, bs, hk, d)), f32((nb, bs, hk, d))
+    slots = i32(np.arange(T))
+    bad = [
+        ((f32((T, 4, d)), f32((T, 4, d)), kc, vc, slots), ValueError, "does not match k_cache"),  # heads
+        ((k, f32((T, 1, d)), kc, vc, slots), ValueError, "agree on tokens and heads"),
+        ((k, v, kc, f32((nb, bs, hk, 32)), slots), ValueError, "v_cache"),
+        ((k, v, kc, vc, i32(np.arange(T - 1))), ValueError, "one slot per token"),
+        ((k, v, kc, vc, i32([0, 1, nb * bs, 2, 3])), ValueError, r"slot_mapping\[2\] = %d is out of range" % (nb * bs)),
+        ((k, v, kc, vc, f32((T,))), TypeError, "slot_mapping must be one of"),
+        ((k, v, i32(np.ones((nb, bs, hk, d))), vc, slots), TypeError, "k_cache must be float32"),
+        ((f32((T, hk)), v, kc, vc, slots), ValueError, "must be 3-D"),
+        ((k, v, kc.transpose(2, 3), vc, slots), ValueError, "contiguous last dim|does not match"),
+    ]
+    for args, exc, msg in bad:
+        with pytest.raises(exc, match="reshape_and_cache: .*" + msg):
+            ops.reshape_and_cache(*args)
+    # nothing was written by the failed calls
+    assert np.all(kc.numpy() == 1.0)
