@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/test_dequant.py).
 // GGUF block dequantization, bit-exact with ggml's dequantize_row_* (and the gguf package's numpy
 // dequantizers). Block layouts follow ggml-common.h (all little-endian, byte offsets below):
 //   Q4_0 (18 B / 32):  f16 d | u8 qs[16]                     y = d * ((q & 15) - 8)

@@ -31,10 +31,12 @@
 
 #if defined(_MSC_VER) && !defined(__clang__)
 #define PA_INLINE __forceinline
+#define PA_PREFETCH(p) ((void)(p))
 #define PA_SIMD_SUM(x) __pragma(omp simd reduction(+ : x))
 #define PA_SIMD_SUM4(a, b, c, d) __pragma(omp simd reduction(+ : a, b, c, d))
 #else
 #define PA_INLINE inline __attribute__((always_inline))
+#define PA_PREFETCH(p) __builtin_prefetch(p)
 #define PA_PRAGMA(x) _Pragma(#x)
 #define PA_SIMD_SUM(x) PA_PRAGMA(omp simd reduction(+ : x))
 #define PA_SIMD_SUM4(a, b, c, d) PA_PRAGMA(omp simd reduction(+ : a, b, c, d))
@@ -179,11 +181,19 @@ PA_INLINE float dot1(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRIC
 }
 
 // Rows of one tile as f32 pointers: f32 cache rows in place, other dtypes converted into `buf`.
+// Also prefetches the rows of the next tile (keys below `end`): one head's consecutive rows are
+// Hk * D elements apart, too far apart for the hardware prefetcher to follow.
 template <class C>
 PA_INLINE void gather_rows(const Problem& P, const CacheView& c, int64_t n, int64_t b, int64_t g, int64_t t0,
-                           int64_t t1, std::vector<float>& buf, std::vector<const float*>& ptrs) {
+                           int64_t t1, int64_t end, std::vector<float>& buf, std::vector<const float*>& ptrs) {
   const C* base = static_cast<const C*>(c.base) + g * c.sh;
+  const int64_t row_bytes = n * (int64_t)sizeof(C);
   for (int64_t j = t0; j < t1; ++j) {
+    if (j + kTile < end) {
+      const int64_t jn = j + kTile;
+      const char* next = reinterpret_cast<const char*>(base + P.table(b, jn / P.BS) * c.sb + (jn % P.BS) * c.sr);
+      for (int64_t o = 0; o < row_bytes; o += 64) PA_PREFETCH(next + o);
+    }
     const int64_t blk = P.table(b, j / P.BS);
     const C* src = base + blk * c.sb + (j % P.BS) * c.sr;
     if constexpr (std::is_same_v<C, float>) {
@@ -229,8 +239,8 @@ TALLOW_SIMD_CLONES void attend_item(const Problem& P, const Seq& s, const Item& 
   float* TALLOW_RESTRICT sc = S.sc.data();
   for (int64_t t0 = it.j0, t1; t0 < it.j1; t0 = t1) {
     t1 = std::min(it.j1, (t0 / kTile + 1) * kTile);
-    gather_rows<C>(P, P.k, D, it.b, it.g, t0, t1, S.kf, S.kp);
-    gather_rows<C>(P, P.v, Dv, it.b, it.g, t0, t1, S.vf, S.vp);
+    gather_rows<C>(P, P.k, D, it.b, it.g, t0, t1, it.j1, S.kf, S.kp);
+    gather_rows<C>(P, P.v, Dv, it.b, it.g, t0, t1, it.j1, S.vf, S.vp);
     for (int64_t i = it.i0; i < it.i1; ++i) {
       const int64_t p = s.ctx + i;
       const int64_t a = std::max(t0, visible_lo(P, p)), e = std::min(t1, p + 1);

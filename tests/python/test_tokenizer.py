@@ -214,3 +214,59 @@ def test_apply_chat_template_plumbing(llama2_model, tmp_path, monkeypatch):
     with pytest.raises(NoChatTemplateError, match="has no chat template"):
         bare.apply_chat_template(msgs)
     assert bare.apply_chat_template(msgs, chat_template="T2") == "<s>[INST] Hi [/INST]" and calls[-1][0] == "T2"
+
+
+SPM_CONFIGS = {
+    "unigram-nfkc": dict(model_type="unigram", normalization_rule_name="nmt_nfkc"),
+    "unigram-identity-bytes": dict(model_type="unigram", normalization_rule_name="identity", byte_fallback=True),
+    "unigram-no-prefix": dict(model_type="unigram", normalization_rule_name="nmt_nfkc", remove_extra_whitespaces=False,
+                              add_dummy_prefix=False),
+    "unigram-user-symbols": dict(model_type="unigram", normalization_rule_name="identity", byte_fallback=True,
+                                 user_defined_symbols=["<tool>", "foo"]),
+    "bpe-nfkc": dict(model_type="bpe", normalization_rule_name="nmt_nfkc"),
+    "bpe-identity-bytes": dict(model_type="bpe", normalization_rule_name="identity", byte_fallback=True,
+                               remove_extra_whitespaces=False),
+    "bpe-split-digits": dict(model_type="bpe", normalization_rule_name="identity", byte_fallback=True,
+                             add_dummy_prefix=False, remove_extra_whitespaces=False, split_digits=True),
+}
+
+
+@pytest.mark.parametrize("config", list(SPM_CONFIGS))
+def test_trained_sentencepiece_models(config, rng):
+    """Small models trained here with sentencepiece (unigram and BPE; NFKC or identity normalisation;
+    with or without the dummy prefix, whitespace collapsing, byte fallback, user-defined symbols):
+    the converted tokenizer gives sentencepiece's ids, and its text wherever no <unk> is involved
+    (sentencepiece shows <unk> as " ⁇ ", the tokenizers decode skips it as a special token)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece (test extra) trains the reference models")
+    words = ("the quick brown fox jumps over a lazy dog hello world tokenizer sentence piece model "
+             "ünïcödé 日本語 テキスト 😀 123 4567 x=1; (a, b)").split()
+    lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 12)))) for _ in range(1500)] + HANDPICKED
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=1000,
+                                   character_coverage=0.99, hard_vocab_limit=False, minloglevel=2,
+                                   num_threads=1, **SPM_CONFIGS[config])
+    ref = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    m = sentencepiece_model.parse_model_proto(buf.getvalue())
+    tok = sentencepiece_model.to_tokenizers(m)
+    ties = 0
+    for t in HANDPICKED + random_texts(rng, 150) + lines[:20] + ["ｈｅｌｌｏ ① ﬁ", "a<tool>foo b", "x" * 100]:
+        if m.remove_extra_whitespaces and "\u2581" in t:
+            # sentencepiece's whitespace removal treats its own space symbol in the input
+            # inconsistently ("\u2581\u2581" -> nothing, "\u2581 x" -> three of them); not emulated
+            continue
+        expected = ref.encode(t)
+        got = tok.encode(t, add_special_tokens=False).ids
+        if got != expected and m.model_type == sentencepiece_model.UNIGRAM:
+            # Known difference (Hugging Face tokenizers' Unigram has it too): when two segmentations
+            # score exactly the same, e.g. the same pieces in another order in a run of one
+            # repeated character, the Viterbi tie is broken differently. Anything else is a bug.
+            assert ref.decode(got) == ref.decode(expected), t
+            assert sum(m.scores[i] for i in got) == pytest.approx(sum(m.scores[i] for i in expected), rel=1e-6), t
+            ties += 1
+            continue
+        assert got == expected, (t, got, expected)
+        # (a literal "\u2581" decodes to a space, which sentencepiece then may strip as leading whitespace)
+        if m.unk_id not in expected and "\u2581" not in t:
+            assert tok.decode(got) == ref.decode(expected), t

@@ -231,7 +231,7 @@ def _build_spm(tokens, types, scores, md, path):
     add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
     norm = []
     if md.get("tokenizer.ggml.remove_extra_whitespaces", False):
-        norm += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex("^ | $"), "")]
+        norm += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A | \z"), "")]
     if add_space_prefix:
         norm.append(normalizers.Prepend("\u2581"))
     norm.append(normalizers.Replace(" ", "\u2581"))

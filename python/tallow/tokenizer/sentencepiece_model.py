@@ -208,10 +208,16 @@ def to_tokenizers(m: SentencePieceModel):
     space = "\u2581" if m.escape_whitespaces else " "
     norm = []
     if m.precompiled_charsmap:
-        norm.append(normalizers.Precompiled(m.precompiled_charsmap))
+        pc = normalizers.Precompiled(m.precompiled_charsmap)
+        # tokenizers maps whole grapheme clusters; "\r\n" is one, and would lose its "\n" where
+        # SentencePiece maps the two characters one by one
+        crlf = pc.normalize_str("\r") + pc.normalize_str("\n")
+        if pc.normalize_str("\r\n") != crlf:
+            norm.append(normalizers.Replace("\r\n", crlf))
+        norm.append(pc)
     if m.remove_extra_whitespaces:
         # SentencePiece collapses runs of spaces and drops leading/trailing ones (spaces only)
-        norm += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex("^ | $"), "")]
+        norm += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A | \z"), "")]
     if m.add_dummy_prefix and not m.treat_whitespace_as_suffix:
         norm.append(normalizers.Prepend(space))
     if m.escape_whitespaces:

@@ -1,0 +1,407 @@
+// matmul and linear on CUDA.
+//
+// cuBLASLt computes every product with f32 accumulation (CUBLAS_COMPUTE_32F: f16/bf16 operands on
+// the tensor cores; f32 operands in full f32, TF32 off). Row-major tensors are handed to cuBLASLt
+// as their column-major transposes: C^T[N, M] = B^T[N, K] * A^T[K, M], any operand with one unit
+// stride is used in place (the other stride is its leading dimension), batch dims that collapse to
+// one stride (0 for broadcast) become a strided batch. Plans (descriptors + the heuristic's algo)
+// are cached per shape/layout; a 32 MiB workspace per device is allocated once.
+//
+// Decode shapes (linear with M <= 16 rows, contiguous K) take tallow's own skinny kernel: each block
+// owns 4 output columns (rows of w) and its 128 threads split K; w is streamed once with 16-byte
+// loads, x (tiny) comes through L1, f32 accumulators, a block reduction, bias, one rounding.
+#include <cublasLt.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "gemm.cuh"
+#include "launch.cuh"
+#include "ops_cuda.h"
+
+namespace tallow::cuda {
+
+namespace {
+
+// ---- skinny kernel -------------------------------------------------------------------------------
+constexpr int kSkinnyThreads = 128;
+constexpr int kSkinnyRows = 4;  // rows of w (output columns) per block
+
+template <class T, int MT>
+__global__ void __launch_bounds__(kSkinnyThreads) skinny_kernel(const T* __restrict__ x, int64_t ldx, int mcount,
+                                                                const T* __restrict__ w, int64_t ldw,
+                                                                const T* __restrict__ bias, T* __restrict__ out,
+                                                                int64_t ldo, int64_t N, int64_t K) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int R = kSkinnyRows;
+  const int64_t n0 = (int64_t)blockIdx.x * R;
+  float acc[MT][R];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  const T* wr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wr[r] = w + (n0 + r < N ? n0 + r : N - 1) * ldw;
+  const int64_t kvecs = K / VEC;
+#pragma unroll 2
+  for (int64_t kv = threadIdx.x; kv < kvecs; kv += kSkinnyThreads) {
+    const int64_t k = kv * VEC;
+    float wf[R][VEC];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4 u = __ldcs(reinterpret_cast<const uint4*>(wr[r] + k));  // streamed once: evict first
+      unpack16<T>(u, wf[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (m < mcount) {
+        float xf[VEC];
+        unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + m * ldx + k)), xf);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
+      }
+    }
+  }
+  __shared__ float red[kSkinnyThreads / 32][MT * R];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[m][r]);
+      if (lane == 0) red[warp][m * R + r] = s;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MT * R; i += kSkinnyThreads) {
+    const int m = i / R, r = i % R;
+    const int64_t n = n0 + r;
+    if (m >= mcount || n >= N) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < kSkinnyThreads / 32; ++q) s += red[q][i];
+    if (bias) s += to_float(bias[n]);
+    out[m * ldo + n] = from_float<T>(s);
+  }
+}
+
+template <class T>
+void launch_skinny(const T* x, int64_t ldx, int M, const T* w, int64_t ldw, const T* bias, T* out, int64_t ldo,
+                   int64_t N, int64_t K, cudaStream_t stream) {
+  const unsigned blocks = (unsigned)ceil_div(N, kSkinnyRows);
+  auto go = [&](auto kernel) { kernel<<<blocks, kSkinnyThreads, 0, stream>>>(x, ldx, M, w, ldw, bias, out, ldo, N, K); };
+  if (M <= 1) go(skinny_kernel<T, 1>);
+  else if (M <= 2) go(skinny_kernel<T, 2>);
+  else if (M <= 4) go(skinny_kernel<T, 4>);
+  else if (M <= 8) go(skinny_kernel<T, 8>);
+  else go(skinny_kernel<T, 16>);
+}
+
+// ---- cuBLASLt -----------------------------------------------------------------------------------
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct DeviceBlas {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+};
+
+DeviceBlas& blas_for(int device) {
+  static std::mutex mu;
+  static std::vector<DeviceBlas> per_device;
+  std::lock_guard<std::mutex> lk(mu);
+  if ((size_t)device >= per_device.size()) per_device.resize((size_t)device + 1);
+  DeviceBlas& b = per_device[(size_t)device];
+  if (!b.handle) {
+    TALLOW_CUBLAS_CHECK("matmul", cublasLtCreate(&b.handle));
+    TALLOW_CUDA_CHECK("matmul", cudaMalloc(&b.workspace, kWorkspaceBytes));
+  }
+  return b;
+}
+
+// One operand as cuBLASLt sees it (column-major): rows x cols with leading dim ld, op(trans).
+struct LtMat {
+  int64_t rows, cols, ld;
+  bool trans;
+  int64_t batch_stride;
+};
+
+struct PlanKey {
+  int device, dtype;
+  int64_t m, n, k, batch;
+  LtMat a, b;
+  int64_t ldc, c_stride;
+  bool bias;
+  int align_a, align_b, align_c;
+  auto tie() const {
+    return std::make_tuple(device, dtype, m, n, k, batch, a.rows, a.cols, a.ld, a.trans, a.batch_stride, b.rows, b.cols,
+                           b.ld, b.trans, b.batch_stride, ldc, c_stride, bias, align_a, align_b, align_c);
+  }
+  bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::F16: return CUDA_R_16F;
+    default: return CUDA_R_16BF;
+  }
+}
+
+int alignment(const void* p) {
+  for (int a : {16, 8, 4}) if (aligned_to(p, a)) return a;
+  return 2;
+}
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                                   int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatrixLayoutCreate(&l, t, (uint64_t)rows, (uint64_t)cols, ld));
+  if (batch > 1) {
+    const int32_t bc = (int32_t)batch;
+    TALLOW_CUBLAS_CHECK("matmul", cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+    TALLOW_CUBLAS_CHECK("matmul", cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                                  &stride, sizeof stride));
+  }
+  return l;
+}
+
+const Plan& get_plan(const PlanKey& key, DType dt) {
+  static std::mutex mu;
+  static std::map<PlanKey, Plan> plans;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  Plan p;
+  const cudaDataType_t t = cuda_type(dt);
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = key.a.trans ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  if (key.bias) {
+    const cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
+    TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof ep));
+    const cudaDataType_t bt = t;
+    TALLOW_CUBLAS_CHECK("matmul",
+                        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
+  }
+  p.la = make_layout(t, key.a.rows, key.a.cols, key.a.ld, key.batch, key.a.batch_stride);
+  p.lb = make_layout(t, key.b.rows, key.b.cols, key.b.ld, key.batch, key.b.batch_stride);
+  p.lc = make_layout(t, key.m, key.n, key.ldc, key.batch, key.c_stride);
+  cublasLtMatmulPreference_t pref = nullptr;
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                                     sizeof ws));
+  const uint32_t aa = key.align_a, ab = key.align_b, ac = key.align_c;
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof aa));
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
+  TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(blas_for(key.device).handle, p.op, p.la, p.lb, p.lc, p.lc,
+                                                           pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  TALLOW_CUBLAS_CHECK("matmul (heuristic)", st);
+  if (found == 0) throw CudaError(str_cat("matmul: cuBLASLt has no algorithm for m=", key.m, " n=", key.n, " k=", key.k));
+  p.algo = res.algo;
+  return plans.emplace(key, p).first->second;
+}
+
+// A row-major matrix view X[R, C] (strides rs, cs) as the column-major transpose cuBLASLt needs:
+// X^T is C x R column-major when cs == 1 (ld rs); when rs == 1, X itself is R x C column-major (ld cs)
+// and op = T gives X^T.
+bool lt_view(int64_t R, int64_t C, int64_t rs, int64_t cs, LtMat& out) {
+  if (cs == 1 || C == 1) {
+    out = {C, R, std::max<int64_t>({rs, C, 1}), false, 0};
+    return true;
+  }
+  if (rs == 1 || R == 1) {
+    out = {R, C, std::max<int64_t>({cs, R, 1}), true, 0};
+    return true;
+  }
+  return false;
+}
+
+// Collapses batch dims (all but the last two) of t into one stride; false when they do not collapse.
+bool batch_stride(const Tensor& t, int64_t& count, int64_t& stride) {
+  count = 1;
+  stride = 0;
+  bool first = true;
+  for (int64_t d = t.dim() - 3; d >= 0; --d) {
+    const int64_t s = t.size(d);
+    if (s == 1) continue;
+    if (first) {
+      stride = t.stride(d);
+      first = false;
+    } else if (t.stride(d) != stride * count) {
+      return false;
+    }
+    count *= s;
+  }
+  return true;
+}
+
+// C[batch][M, N] (contiguous) = A[batch][M, K] * B[batch][K, N] (+ bias[N]); A, B shaped [..., M, K] /
+// [..., K, N] with identical batch dims (expanded), any strides.
+void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tensor* bias, Tensor& C, int64_t M, int64_t N,
+             int64_t K, cudaStream_t stream) {
+  Tensor A = A_in, B = B_in;
+  int64_t ba = 1, sa = 0, bb = 1, sb = 0;
+  if (!batch_stride(A, ba, sa)) A = contiguous(A), batch_stride(A, ba, sa);
+  if (!batch_stride(B, bb, sb)) B = contiguous(B), batch_stride(B, bb, sb);
+  const int64_t batch = std::max(ba, bb);
+  if (ba != batch) sa = 0;  // broadcast (all batch dims of size 1 or stride 0)
+  if (bb != batch) sb = 0;
+  LtMat la, lb;
+  if (!lt_view(M, K, A.stride(-2), A.stride(-1), la)) {
+    A = contiguous(A);
+    batch_stride(A, ba, sa);
+    lt_view(M, K, A.stride(-2), A.stride(-1), la);
+  }
+  if (!lt_view(K, N, B.stride(-2), B.stride(-1), lb)) {
+    B = contiguous(B);
+    batch_stride(B, bb, sb);
+    lt_view(K, N, B.stride(-2), B.stride(-1), lb);
+  }
+  la.batch_stride = ba == batch ? sa : 0;
+  lb.batch_stride = bb == batch ? sb : 0;
+  // cuBLASLt's A is our B^T (N x K), its B is our A^T (K x M), its C is C^T (N x M, ld N).
+  PlanKey key{};
+  key.device = C.device().index;
+  key.dtype = (int)C.dtype();
+  key.m = N;
+  key.n = M;
+  key.k = K;
+  key.batch = batch;
+  key.a = lb;
+  key.b = la;
+  key.ldc = N;
+  key.c_stride = M * N;
+  key.bias = bias != nullptr;
+  key.align_a = alignment(B.data_ptr());
+  key.align_b = alignment(A.data_ptr());
+  key.align_c = alignment(C.data_ptr());
+  const Plan& p = get_plan(key, C.dtype());
+  if (bias) {
+    const void* bp = bias->data_ptr();
+    TALLOW_CUBLAS_CHECK(op, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp));
+  }
+  const float alpha = 1.f, beta = 0.f;
+  DeviceBlas& blas = blas_for(key.device);
+  TALLOW_CUBLAS_CHECK(op, cublasLtMatmul(blas.handle, p.op, &alpha, B.data_ptr(), p.la, A.data_ptr(), p.lb, &beta,
+                                         C.data_ptr(), p.lc, C.data_ptr(), p.lc, &p.algo, blas.workspace,
+                                         kWorkspaceBytes, stream));
+}
+
+bool skinny_ok(const Tensor& x2, const Tensor& w, const Tensor& o, int64_t M, int64_t K) {
+  if (M < 1 || M > skinny_max_m()) return false;
+  const int64_t vec = 16 / x2.element_size();
+  if (K % vec != 0 || w.stride(1) != 1 || x2.stride(-1) != 1) return false;
+  if ((w.stride(0) % vec) != 0 || (M > 1 && x2.stride(0) % vec != 0)) return false;
+  return aligned_to(w.data_ptr(), 16) && aligned_to(x2.data_ptr(), 16) && o.is_contiguous();
+}
+
+}  // namespace
+
+int skinny_max_m() {
+  static const int v = [] {
+    const char* e = std::getenv("TALLOW_SKINNY_MAX_M");
+    return e ? std::atoi(e) : 16;
+  }();
+  return v;
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::optional<Tensor>& out) {
+  const char* op = "linear";
+  const int64_t K = x.size(-1), N = w.size(0);
+  Shape oshape = x.shape();
+  oshape.back() = N;
+  Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
+  const int64_t M = K ? x.numel() / K : shape_numel(Shape(x.shape().begin(), x.shape().end() - 1));
+  if (o.numel() == 0) return o;
+  OpContext ctx(x);
+  const bool hb = bias && bias->defined();
+  const Tensor bc = hb ? contiguous(*bias) : Tensor();
+  // x as [M, K] (a view when the leading dims collapse, else a copy).
+  Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
+  Tensor o2 = o.view({M, N});
+  if (K == 0) {  // empty sum: bias or zeros
+    TALLOW_CUDA_CHECK(op, cudaMemsetAsync(o2.data_ptr(), 0, (size_t)o2.nbytes(), ctx.stream));
+    if (hb) add(o2, bc, o2);
+    return o;
+  }
+  if (skinny_ok(x2, w, o2, M, K)) {
+    TALLOW_CUDA_DISPATCH_FLOAT(op, x.dtype(), [&] {
+      using T = scalar_t;
+      launch_skinny<T>(static_cast<const T*>(x2.data_ptr()), x2.stride(0), (int)M, static_cast<const T*>(w.data_ptr()),
+                       w.stride(0), hb ? static_cast<const T*>(bc.data_ptr()) : nullptr, static_cast<T*>(o2.data_ptr()),
+                       N, N, K, ctx.stream);
+    });
+    TALLOW_CUDA_CHECK_LAUNCH(op);
+    return o;
+  }
+  lt_gemm(op, x2, w.transpose(0, 1), hb ? &bc : nullptr, o2, M, N, K, ctx.stream);
+  return o;
+}
+
+Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) {
+  const char* op = "matmul";
+  const int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  // Broadcast batch dims.
+  const Shape ab(a.shape().begin(), a.shape().end() - 2), bb(b.shape().begin(), b.shape().end() - 2);
+  const size_t nb = std::max(ab.size(), bb.size());
+  Shape batch(nb);
+  for (size_t i = 0; i < nb; ++i) {
+    const int64_t da = i + ab.size() >= nb ? ab[i + ab.size() - nb] : 1;
+    const int64_t db = i + bb.size() >= nb ? bb[i + bb.size() - nb] : 1;
+    batch[i] = da == 1 ? db : da;
+  }
+  Shape oshape = batch;
+  oshape.push_back(M);
+  oshape.push_back(N);
+  Tensor o = make_out(op, out, oshape, a.dtype(), a.device());
+  if (o.numel() == 0) return o;
+  OpContext ctx(a);
+  if (K == 0) {
+    TALLOW_CUDA_CHECK(op, cudaMemsetAsync(o.data_ptr(), 0, (size_t)o.nbytes(), ctx.stream));
+    return o;
+  }
+  Shape sa = batch, sb = batch;
+  sa.push_back(M);
+  sa.push_back(K);
+  sb.push_back(K);
+  sb.push_back(N);
+  const Tensor ea = a.expand(sa), eb = b.expand(sb);
+  // Decode-shaped products against a [K, N] view of an [N, K] weight go to the skinny kernel.
+  if (nb == 0 || shape_numel(batch) == 1) {
+    const Tensor a2 = ea.reshape({M, K}), b2 = eb.reshape({K, N});
+    Tensor o2 = o.view({M, N});
+    const Tensor wt = b2.transpose(0, 1);  // [N, K]
+    if (skinny_ok(a2, wt, o2, M, K)) {
+      TALLOW_CUDA_DISPATCH_FLOAT(op, a.dtype(), [&] {
+        using T = scalar_t;
+        launch_skinny<T>(static_cast<const T*>(a2.data_ptr()), a2.stride(0), (int)M, static_cast<const T*>(wt.data_ptr()),
+                         wt.stride(0), nullptr, static_cast<T*>(o2.data_ptr()), N, N, K, ctx.stream);
+      });
+      TALLOW_CUDA_CHECK_LAUNCH(op);
+      return o;
+    }
+  }
+  lt_gemm(op, ea, eb, nullptr, o, M, N, K, ctx.stream);
+  return o;
+}
+
+}  // namespace tallow::cuda

@@ -1,0 +1,52 @@
+// The CUDA entry points of every core op, with the contracts of cpp/ops/*.h. The op entry points
+// in cpp/ops call these (under TALLOW_WITH_CUDA) after their argument checks when the tensors are on
+// a CUDA device. Inputs may have any strides the CPU op accepts; outputs are contiguous. Work runs
+// asynchronously on the current stream of the tensors' device; failures raise naming the op.
+#pragma once
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "core/tensor.h"
+
+namespace tallow::cuda {
+
+// activation.cu
+Tensor silu_and_mul(const Tensor& x, const std::optional<Tensor>& out = std::nullopt);
+Tensor gelu_and_mul(const Tensor& x, const std::string& approximate = "tanh",
+                    const std::optional<Tensor>& out = std::nullopt);
+// attention.cu
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, float scale, bool causal = true,
+                 int64_t sliding_window = 0, float softcap = 0.0f);
+// cast.cu
+Tensor cast(const Tensor& x, DType dtype);
+// dequant.cu
+Tensor dequantize(const Tensor& q, DType dtype = DType::F32);
+// elementwise.cu
+Tensor add(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
+Tensor mul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
+Tensor scale(const Tensor& a, float s, const std::optional<Tensor>& out = std::nullopt);
+// embedding.cu
+Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> out_dtype = std::nullopt);
+// gemm.cu
+Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
+Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
+              const std::optional<Tensor>& out = std::nullopt);
+// norm.cu
+Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool gemma_offset = false,
+                const std::optional<Tensor>& out = std::nullopt);
+Tensor fused_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& w, float eps,
+                          bool gemma_offset = false);
+Tensor layer_norm(const Tensor& x, const std::optional<Tensor>& w, const std::optional<Tensor>& b, float eps,
+                  const std::optional<Tensor>& out = std::nullopt);
+// rope.cu
+void rotary_embedding(const Tensor& positions, Tensor& q, std::optional<Tensor> k, const Tensor& cos_sin_cache,
+                      bool neox);
+// softmax.cu
+Tensor softmax(const Tensor& x, float scale = 1.0f, float softcap = 0.0f,
+               const std::optional<Tensor>& out = std::nullopt);
+// topk.cu
+Tensor argmax(const Tensor& x);
+std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);
+
+}  // namespace tallow::cuda

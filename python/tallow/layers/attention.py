@@ -1,0 +1,36 @@
+"""Paged attention for one layer: write this step's K/V into the cache, then attend."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tallow
+from tallow import ops
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """The batch layout every attention layer of a step shares (tensors on the model's device)."""
+    slot_mapping: tallow.Tensor  # i64 [T]: cache slot of each new token
+    block_tables: tallow.Tensor  # i32 [B, max_blocks]
+    seq_lens: tallow.Tensor  # i32 [B]: tokens of each sequence after this step
+    query_start_loc: tallow.Tensor  # i32 [B + 1]
+    num_tokens: int
+
+
+class PagedAttention:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window or 0
+        self.softcap = softcap or 0.0
+
+    def __call__(self, q: tallow.Tensor, k: tallow.Tensor, v: tallow.Tensor, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
+                 meta: AttentionMetadata) -> tallow.Tensor:
+        k_cache, v_cache = kv_cache
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                   self.scale, self.sliding_window, self.softcap)
