@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_activation.py).
 // Gated activations (CPU): out[..., i] = act(x[..., i]) * x[..., d + i] for x [..., 2d].
 //
 // Computed in f32 with one rounding of each output to x's dtype. exp, tanh and erf are branch-free

@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_norm.py).
 // RMSNorm, fused residual-add RMSNorm and LayerNorm over the last dimension (CPU).
 //
 // All arithmetic is f32 (sums in f32 vector lanes per block of 128, blocks added in double), each output

@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_rope.py).
 // Rotary position embedding (CPU), in place on q and optional k, vLLM's convention.
 //
 // For token t at position p = positions[t], with c = cache[p, i] and s = cache[p, rot_dim/2 + i],

@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/backend_ops/cases_softmax.py).
 // Softmax over the last dimension (CPU), with scale and tanh soft-capping, computed in f32.
 //
 // Per row: z = x * scale; with softcap > 0, z = softcap * tanh(z / softcap); p = exp(z - max z) / sum.

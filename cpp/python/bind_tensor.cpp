@@ -374,7 +374,7 @@ void bind_tensor(py::module_& m) {
     py::array arr = np.attr("asarray")(data);
     const std::string kind = py::str(arr.dtype().attr("kind")).cast<std::string>();
     if (kind == "f" && (arr.dtype().attr("itemsize").cast<int>() == 8)) arr = arr.attr("astype")("float32");
-    Tensor src = from_numpy(np.attr("ascontiguousarray")(arr));
+    Tensor src = from_numpy(np.attr("require")(arr, py::arg("requirements") = "C"));
     Tensor out = dtype.is_none() ? src.clone() : src.to(to_dtype(dtype));
     if (out.storage() == src.storage()) out = out.clone();
     return out.to(to_device(device));
