@@ -30,19 +30,25 @@ Tensor dequantize(const Tensor& q, DType dtype) {
   const int bs = (int)dtype_block_size(q.dtype()), ts = (int)dtype_type_size(q.dtype());
   const uint8_t* base = static_cast<const uint8_t*>(q.data_ptr());
   const Strided rows = row_index("dequantize", q);
-  TALLOW_CUDA_DISPATCH_FLOAT("dequantize", dtype, [&] {
-    using O = scalar_t;
-    O* po = static_cast<O*>(o.data_ptr());
-    switch (q.dtype()) {
 #define TALLOW_DEQ_CASE(T)                                                                                   \
   case DType::T:                                                                                             \
     dequant_kernel<DType::T, O><<<grid_for(n, 256), 256, 0, ctx.stream>>>(base, rows, 0, K, bs, ts, po, n); \
     break;
+  auto launch = [&](auto otag) {
+    using O = decltype(otag);
+    O* po = static_cast<O*>(o.data_ptr());
+    switch (q.dtype()) {
       TALLOW_FOR_EACH_BLOCK_DTYPE(TALLOW_DEQ_CASE)
-#undef TALLOW_DEQ_CASE
       default: throw TypeError(str_cat("dequantize: ", dtype_name(q.dtype()), " is not a GGUF block dtype"));
     }
-  });
+  };
+#undef TALLOW_DEQ_CASE
+  switch (dtype) {
+    case DType::F32: launch(float{}); break;
+    case DType::F16: launch(__half{}); break;
+    case DType::BF16: launch(__nv_bfloat16{}); break;
+    default: throw TypeError(str_cat("dequantize: unsupported output dtype ", dtype_name(dtype)));
+  }
   TALLOW_CUDA_CHECK_LAUNCH("dequantize");
   return o;
 }

@@ -146,11 +146,12 @@ constexpr int NR = NV * W;             // micro-tile columns
 #ifndef UK_KC
 #define UK_KC 256
 #define UK_MC 120
-#define UK_NCT 256
+#define UK_NCT 512
 #endif
 constexpr int64_t KC = UK_KC;            // K slab
 constexpr int64_t MC = MR * (UK_MC / MR);  // rows of A packed per slab (~120)
-constexpr int64_t NCT = UK_NCT;           // columns of C per task (multiple of NR)
+constexpr int64_t NCT = UK_NCT;          // columns of the f32 C tile per task (multiple of NR)
+constexpr int64_t NCB = 2048;            // columns of B packed at a time (K x NCB floats, shared)
 constexpr int64_t kSmallM = 16;        // at most this many rows: GEMV paths, no packing
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -193,40 +194,48 @@ static void pack_a(const T* a, int64_t rsa, int64_t csa, int64_t i0, int64_t mc,
   }
 }
 
-// B rows [0, K) x cols [j0, j0+nc) -> panels of NR columns, each [K][NR]; columns past nc are zero.
+// B rows [0, K) x cols [j0, j0+nc) -> panels of NR columns, each [K][NR] (panel q at bp + q*K*NR); columns
+// past nc are zero. Packs panels [q0, q1) only, so threads can share the work.
 template <class T>
-static void pack_b(const T* b, int64_t rsb, int64_t csb, int64_t K, int64_t j0, int64_t nc, float* bp) {
-  for (int64_t p = 0; p < nc; p += NR) {
-    float* dst = bp + p * K;  // panel p / NR
-    const int64_t cols = nc - p < NR ? nc - p : NR;
-    if (csb == 1) {
-      for (int64_t k = 0; k < K; ++k) {
-        const T* src = b + k * rsb + j0 + p;
-        float* d = dst + k * NR;
+static void pack_b(const T* b, int64_t rsb, int64_t csb, int64_t K, int64_t j0, int64_t nc, int64_t q0, int64_t q1,
+                   float* bp) {
+  if (csb == 1) {
+    // Rows contiguous: read each row across all the panels, write each panel's row k.
+    for (int64_t k = 0; k < K; ++k) {
+      const T* src = b + k * rsb + j0;
+      for (int64_t q = q0; q < q1; ++q) {
+        float* d = bp + q * K * NR + k * NR;
+        const int64_t c0 = q * NR, cols = nc - c0 < NR ? nc - c0 : NR;
         if (cols == NR) {
-          for (int v = 0; v < NV; ++v) vst(d + v * W, vld(src + v * W));
+#pragma GCC unroll 4
+          for (int v = 0; v < NV; ++v) vst(d + v * W, vld(src + c0 + v * W));
         } else {
-          for (int64_t j = 0; j < cols; ++j) d[j] = to_f32(src[j]);
+          for (int64_t j = 0; j < cols; ++j) d[j] = to_f32(src[c0 + j]);
           for (int64_t j = cols; j < NR; ++j) d[j] = 0.f;
         }
       }
-    } else {
-      // Transposing pack (e.g. columns K-contiguous): blocks of 16 k keep the destination in L1.
-      if (cols < NR)
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t j = cols; j < NR; ++j) dst[k * NR + j] = 0.f;
-      for (int64_t k0 = 0; k0 < K; k0 += 16) {
-        const int64_t kn = K - k0 < 16 ? K - k0 : 16;
-        for (int64_t j = 0; j < cols; ++j) {
-          const T* src = b + k0 * rsb + (j0 + p + j) * csb;
-          float* d = dst + k0 * NR + j;
-          if (rsb == 1) {
-            for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k]);
-          } else {
-            for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k * rsb]);
-          }
+    }
+    return;
+  }
+  // Transposing pack (columns K-contiguous, e.g. x^T): long runs along each column keep the hardware
+  // prefetchers streaming; blocks of KB k keep the destination in L1.
+  constexpr int64_t KB = 128;
+  for (int64_t q = q0; q < q1; ++q) {
+    float* dst = bp + q * K * NR;
+    const int64_t c0 = q * NR, cols = nc - c0 < NR ? nc - c0 : NR;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t kn = K - k0 < KB ? K - k0 : KB;
+      for (int64_t j = 0; j < cols; ++j) {
+        const T* src = b + k0 * rsb + (j0 + c0 + j) * csb;
+        float* d = dst + k0 * NR + j;
+        if (rsb == 1) {
+          for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k]);
+        } else {
+          for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k * rsb]);
         }
       }
+      for (int64_t j = cols; j < NR; ++j)
+        for (int64_t k = 0; k < kn; ++k) dst[(k0 + k) * NR + j] = 0.f;
     }
   }
 }
@@ -304,56 +313,102 @@ static void store_tile(const Problem& p, T* c, const T* bias, const float* tile,
 
 // ---- packed GEMM --------------------------------------------------------------------------------------
 
+// C rows [i0, i0+mc) x panels [q0, q1) of a packed B block (K x ncb at column j0) -> C, through an f32 tile.
 template <class T>
-static void packed_task(const Problem& p, int64_t bt, int64_t j0, int64_t mb0, int64_t mb1) {
+static void compute_block(const Problem& p, const T* a, T* c, const float* bp, int64_t j0, int64_t ncb, int64_t i0,
+                          int64_t mc, int64_t q0, int64_t q1) {
+  const int64_t K = p.K;
+  const int64_t nk = ceil_div(K, KC), kc_max = round_up(ceil_div(K, nk), 8);
+  const int64_t width = (q1 - q0) * NR;
+  float* ap = scratch(1, round_up(mc, MR) * kc_max);
+  float* tile = scratch(2, round_up(mc, MR) * width);
+  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+    const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
+    pack_a(a, p.rsa, p.csa, i0, mc, k0, kc, ap);
+#ifdef UK_JR_OUTER
+    for (int64_t q = q0; q < q1; ++q)
+      for (int64_t ir = 0; ir < mc; ir += MR)
+#else
+    for (int64_t ir = 0; ir < mc; ir += MR)
+      for (int64_t q = q0; q < q1; ++q)
+#endif
+        micro_kernel(kc, ap + ir * kc, kc, bp + q * K * NR + k0 * NR, tile + ir * width + (q - q0) * NR, width, k0 > 0);
+  }
+  const int64_t c0 = q0 * NR, nc = (ncb - c0 < width ? ncb - c0 : width);
+  store_tile<T>(p, c, static_cast<const T*>(p.bias), tile, width, i0, mc, j0 + c0, nc);
+}
+
+// Splits M into nmb blocks of MR-multiples (balanced over the threads) and each B block's panels into ng groups.
+struct Split {
+  int64_t mc, nmb, ng;
+};
+static inline Split split_work(int64_t M, int64_t npanels, int64_t tasks_wanted, int threads) {
+  int64_t nmb = ceil_div(M, MC);
+  int64_t ng = ceil_div(npanels * NR, NCT);  // keep the f32 tile within L2
+  if (nmb * ng < tasks_wanted) ng = ceil_div(tasks_wanted, nmb);
+  if (ng > npanels) ng = npanels;
+  if (nmb * ng < tasks_wanted) nmb = ceil_div(tasks_wanted, ng);
+  if (threads > 1 && (nmb * ng) % threads) nmb = round_up(nmb * ng, threads) / ng;  // whole rounds
+  int64_t mc = round_up(ceil_div(M, nmb), MR);
+  if (mc > MC) mc = MC;
+  nmb = ceil_div(M, mc);
+  return {mc, nmb, ng};
+}
+
+// One GEMM of a batch on all threads: B blocks packed once, cooperatively; A packed per task.
+template <class T>
+static void packed_shared(const Problem& p, int64_t bt) {
   const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
   const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
   T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
-  const T* bias = static_cast<const T*>(p.bias);
+  const int threads = get_num_threads();
   const int64_t K = p.K;
-  const int64_t nc = p.N - j0 < NCT ? p.N - j0 : NCT;
-  const int64_t ncp = round_up(nc, NR);
-  const int64_t nk = ceil_div(K, KC), kc_max = round_up(ceil_div(K, nk), 8);
-  float* bp = scratch(0, K * ncp);
-  float* ap = scratch(1, MC * kc_max);
-  float* tile = scratch(2, MC * ncp);
-  pack_b(b, p.rsb, p.csb, K, j0, nc, bp);
-  for (int64_t mb = mb0; mb < mb1; ++mb) {
-    const int64_t i0 = mb * MC;
-    const int64_t mc = p.M - i0 < MC ? p.M - i0 : MC;
-    for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-      const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
-      pack_a(a, p.rsa, p.csa, i0, mc, k0, kc, ap);
-#ifdef UK_JR_OUTER
-      for (int64_t jr = 0; jr < ncp; jr += NR)
-        for (int64_t ir = 0; ir < mc; ir += MR)
-#else
-      for (int64_t ir = 0; ir < mc; ir += MR)
-        for (int64_t jr = 0; jr < ncp; jr += NR)
-#endif
-          micro_kernel(kc, ap + ir * kc, kc, bp + jr * K + k0 * NR, tile + ir * ncp + jr, ncp, k0 > 0);
-    }
-    store_tile<T>(p, c, bias, tile, ncp, i0, mc, j0, nc);
+  // Up to NCB columns, and at most ~16 MiB of packed B (but never fewer than NCT columns).
+  int64_t ncb_max = (int64_t(4) << 20) / K / NR * NR;
+  if (ncb_max > NCB) ncb_max = NCB;
+  if (ncb_max < NCT) ncb_max = NCT;
+  if (ncb_max > round_up(p.N, NR)) ncb_max = round_up(p.N, NR);
+  float* bp = scratch(0, K * ncb_max);  // this thread's buffer, shared with the workers below
+  for (int64_t j0 = 0; j0 < p.N; j0 += ncb_max) {
+    const int64_t ncb = p.N - j0 < ncb_max ? p.N - j0 : ncb_max, npanels = ceil_div(ncb, NR);
+    parallel_for(0, npanels, 1, [&](int64_t q0, int64_t q1) { pack_b(b, p.rsb, p.csb, K, j0, ncb, q0, q1, bp); });
+    const Split sp = split_work(p.M, npanels, threads > 1 ? 2 * threads : 1, threads);
+    parallel_for(0, sp.nmb * sp.ng, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t ib = t / sp.ng, g = t % sp.ng;
+        const int64_t i0 = ib * sp.mc, mc = p.M - i0 < sp.mc ? p.M - i0 : sp.mc;
+        const int64_t q0 = npanels * g / sp.ng, q1 = npanels * (g + 1) / sp.ng;
+        if (mc > 0 && q0 < q1) compute_block<T>(p, a, c, bp, j0, ncb, i0, mc, q0, q1);
+      }
+    });
   }
+}
+
+// Many GEMMs (batch >= 2 x threads): each task runs whole GEMMs of the batch on one thread.
+template <class T>
+static void packed_batched(const Problem& p) {
+  parallel_for(0, p.batch, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t bt = b0; bt < b1; ++bt) {
+      const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
+      const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
+      T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
+      const int64_t ncb_max = NCT < round_up(p.N, NR) ? NCT : round_up(p.N, NR);
+      float* bp = scratch(0, p.K * ncb_max);
+      for (int64_t j0 = 0; j0 < p.N; j0 += ncb_max) {
+        const int64_t ncb = p.N - j0 < ncb_max ? p.N - j0 : ncb_max, npanels = ceil_div(ncb, NR);
+        pack_b(b, p.rsb, p.csb, p.K, j0, ncb, 0, npanels, bp);
+        for (int64_t i0 = 0; i0 < p.M; i0 += MC)
+          compute_block<T>(p, a, c, bp, j0, ncb, i0, p.M - i0 < MC ? p.M - i0 : MC, 0, npanels);
+      }
+    }
+  });
 }
 
 template <class T>
 static void run_packed(const Problem& p) {
-  const int64_t nnb = ceil_div(p.N, NCT), nmb = ceil_div(p.M, MC);
   const int threads = get_num_threads();
-  // Enough tasks to balance the threads; split M (which re-packs B) only when batch x N blocks are too few.
-  const int64_t target = threads > 1 ? 3 * (int64_t)threads : 1;
-  int64_t mranges = ceil_div(target, p.batch * nnb);
-  if (mranges > nmb) mranges = nmb;
-  if (mranges < 1) mranges = 1;
-  const int64_t ntasks = p.batch * nnb * mranges;
-  parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t % mranges, jb = (t / mranges) % nnb, bt = t / (mranges * nnb);
-      const int64_t mb0 = nmb * r / mranges, mb1 = nmb * (r + 1) / mranges;
-      if (mb0 < mb1) packed_task<T>(p, bt, jb * NCT, mb0, mb1);
-    }
-  });
+  if (p.batch >= 2 * (int64_t)threads) return packed_batched<T>(p);
+  for (int64_t bt = 0; bt < p.batch; ++bt) packed_shared<T>(p, bt);
 }
 
 // ---- small M, B columns K-contiguous (linear's weight): dot products -----------------------------------
@@ -532,7 +587,7 @@ static inline Problem transposed(const Problem& p) {
 
 // Relative cost of the packing that orientation p needs (copying packs count 1, transposing ones 4).
 static inline double pack_cost(const Problem& p) {
-  const double a_passes = (double)ceil_div(p.N, NCT);
+  const double a_passes = (double)ceil_div(p.N, NCT);  // A is packed once per tile of NCT columns
   const double m_pad = (double)round_up(p.M, MR) / (double)p.M, n_pad = (double)round_up(p.N, NR) / (double)p.N;
   const double a = (double)p.M * p.K * a_passes * (p.csa == 1 ? 1.0 : 4.0);
   const double b = (double)p.K * p.N * (p.csb == 1 ? 1.0 : 4.0);

@@ -22,6 +22,8 @@ from tallow._core import (  # noqa: E402
     tensor,
 )
 from tallow import ops  # noqa: E402
+from tallow.engine.sampling_params import SamplingParams  # noqa: E402
+from tallow.llm import LLM  # noqa: E402
 
 float32 = DType.float32
 float16 = DType.float16
@@ -36,6 +38,7 @@ bool_ = DType.bool
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM", "SamplingParams",
     "Device", "DType", "Tensor", "empty", "from_buffer", "from_dlpack", "from_numpy", "get_num_threads",
     "set_num_threads", "tensor", "ops", "float32", "float16", "bfloat16", "float8_e4m3", "int8", "uint8",
     "int32", "int64", "bool_", "__version__",

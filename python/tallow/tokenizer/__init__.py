@@ -11,7 +11,16 @@
 from tallow.tokenizer.detokenizer import IncrementalDetokenizer
 from tallow.tokenizer.gguf_vocab import GGUFVocab, GGUFVocabError, vocab_from_gguf
 from tallow.tokenizer.sentencepiece_model import SentencePieceModelError
-from tallow.tokenizer.tokenizer import NoChatTemplateError, Tokenizer, TokenizerError
+from tallow.tokenizer.tokenizer import Tokenizer, TokenizerError
+
+
+def __getattr__(name):
+    # chat templates (jinja2) load on first use; the error class is the chat_template module's
+    if name == "NoChatTemplateError":
+        from tallow.tokenizer.chat_template import NoChatTemplateError
+
+        return NoChatTemplateError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_tokenizer(path) -> Tokenizer:

@@ -385,11 +385,12 @@ def template_processor(tk, bos_id: int | None, eos_id: int | None):
         return None
     b = tk.id_to_token(bos_id) if bos_id is not None else None
     e = tk.id_to_token(eos_id) if eos_id is not None else None
-    single = " ".join(x for x in (f"{b}:0" if b else None, "$A:0", f"{e}:0" if e else None) if x)
-    pair = single + " " + " ".join(x for x in (f"{b}:1" if b else None, "$B:1", f"{e}:1" if e else None) if x)
+    # the template names the tokens by aliases: token texts may contain spaces or ":"
+    single = (["BOS:0"] if b else []) + ["$A:0"] + (["EOS:0"] if e else [])
+    pair = single + (["BOS:1"] if b else []) + ["$B:1"] + (["EOS:1"] if e else [])
     specials = []
     if b:
-        specials.append((b, bos_id))
-    if e and e != b:
-        specials.append((e, eos_id))
+        specials.append({"id": "BOS", "ids": [bos_id], "tokens": [b]})
+    if e:
+        specials.append({"id": "EOS", "ids": [eos_id], "tokens": [e]})
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)

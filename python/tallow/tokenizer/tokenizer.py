@@ -22,10 +22,6 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot be loaded or used; the message names the file and the problem."""
 
 
-class NoChatTemplateError(TokenizerError):
-    """The model has no chat template (and none was passed)."""
-
-
 def _read_json(path: pathlib.Path) -> dict | None:
     if not path.is_file():
         return None
@@ -72,6 +68,8 @@ class Tokenizer:
                  chat_templates: dict[str, str] | None = None, name: str | None = None):
         self._tk = tokenizer
         self.name = name
+        self.gguf_vocab_type: str | None = None  # tokenizer.ggml.model / .pre, for tokenizers from GGUF
+        self.gguf_pre: str | None = None
         n = tokenizer.get_vocab_size(with_added_tokens=True)
 
         def ok(i):
@@ -116,17 +114,29 @@ class Tokenizer:
             sp = sentencepiece_model.load_model(sp_path)
             tk = sentencepiece_model.to_tokenizers(sp)
             added = cfg.get("added_tokens_decoder") or {}
-            for k in sorted(added, key=lambda x: int(x)):
+            try:
+                order = sorted(added, key=int)
+            except (TypeError, ValueError):
+                raise TokenizerError(f"{d / 'tokenizer_config.json'}: added_tokens_decoder keys must be token ids") from None
+            for k in order:
                 a = added[k]
                 content = _token_content(a)
-                if content is None or tk.token_to_id(content) is not None:
+                if not isinstance(a, dict) or content is None or tk.token_to_id(content) is not None:
                     continue
                 at = AddedToken(content, single_word=bool(a.get("single_word", False)), lstrip=bool(a.get("lstrip", False)),
                                 rstrip=bool(a.get("rstrip", False)), normalized=bool(a.get("normalized", False)),
                                 special=bool(a.get("special", False)))
                 (tk.add_special_tokens if at.special else tk.add_tokens)([at])
+                if tk.token_to_id(content) != int(k):
+                    raise TokenizerError(f"{d / 'tokenizer_config.json'}: added token {content!r} should have id {k} "
+                                         f"but the vocabulary puts it at {tk.token_to_id(content)}")
         else:
             raise TokenizerError(f"{d}: no tokenizer.json or tokenizer.model")
+
+        extra = cfg.get("additional_special_tokens") or stm.get("additional_special_tokens") or []
+        missing = [c for c in map(_token_content, extra) if c is not None and tk.token_to_id(c) is None]
+        if missing:
+            tk.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
 
         def special_id(key: str, sp_default: int | None = None) -> int | None:
             content = _token_content(cfg.get(key))
@@ -134,7 +144,7 @@ class Tokenizer:
                 content = _token_content(stm.get(key))
             if content is not None:
                 i = tk.token_to_id(content)
-                if i is None:
+                if i is None and key in ("bos_token", "eos_token"):
                     raise TokenizerError(f"{d}: {key} {content!r} is not in the vocabulary")
                 return i
             if sp is not None and sp_default is not None and 0 <= sp_default < len(sp):
@@ -389,6 +399,8 @@ class Tokenizer:
         if tools and "tool_use" in self.chat_templates:
             return self.chat_templates["tool_use"]
         if self.chat_template is None:
+            from tallow.tokenizer.chat_template import NoChatTemplateError
+
             raise NoChatTemplateError(
                 f"{self.name or 'this model'} has no chat template; pass one (e.g. --chat-template FILE) "
                 "or send plain completion requests")
@@ -399,8 +411,9 @@ class Tokenizer:
         from tallow.tokenizer.chat_template import render_chat_template
 
         template = self.get_chat_template(chat_template, tools)
+        # a token the model lacks is passed as None: left undefined in the template, as transformers does
         text = render_chat_template(template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+                                    bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
         if tokenize:
             return self.encode(text, add_special_tokens=False)
         return text

@@ -1,0 +1,102 @@
+"""`from tallow import LLM, SamplingParams`: offline batched generation, shaped like vLLM's LLM."""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+from tallow.engine.args import EngineArgs
+from tallow.engine.engine import LLMEngine, PromptType
+from tallow.engine.outputs import CompletionOutput, RequestOutput
+from tallow.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """LLM(model="org/name" | "path/to/dir" | "model.gguf", dtype=..., device=..., **engine_args).
+    Engine arguments are those of `tallow serve` (see EngineArgs)."""
+
+    def __init__(self, model: Optional[str] = None, **engine_args):
+        if model is not None and str(model).endswith(".gguf") and "gguf_file" not in engine_args:
+            engine_args["gguf_file"] = model
+            model = None
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- generation ------------------------------------------------------------------------------
+    def _normalise(self, prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one or many prompts, batched; one RequestOutput per prompt, in order."""
+        prompts = self._normalise(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        for delta in self._run(set(ids)):
+            _merge(final, delta)
+        return [final[i] for i in ids]
+
+    def _run(self, ids: set[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in ids:
+                        yield out
+                        if out.finished:
+                            pending.discard(out.request_id)
+        finally:
+            for rid in pending:  # interrupted (exception or closed generator): free the blocks
+                self.engine.abort_request(rid)
+
+    def generate_stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield delta RequestOutputs (new text and tokens per completion) as they are produced."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        yield from self._run({rid})
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, tools=None,
+             add_generation_prompt: bool = True, chat_template: Optional[str] = None,
+             **template_kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                                tokenize=True, chat_template=chat_template,
+                                                                **template_kwargs)} for c in convs]
+        return self.generate(prompts, sampling_params)
+
+
+def _merge(final: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    cur = final.get(delta.request_id)
+    if cur is None:
+        cur = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,
+                            [CompletionOutput(o.index, "", [], None, [] if o.logprobs is not None else None)
+                             for o in delta.outputs], False, delta.num_cached_tokens)
+        final[delta.request_id] = cur
+    for o, d in zip(cur.outputs, delta.outputs):
+        o.text += d.text
+        o.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            o.logprobs.extend(d.logprobs)
+        o.cumulative_logprob = d.cumulative_logprob
+        o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+    cur.finished = delta.finished
