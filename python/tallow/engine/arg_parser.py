@@ -1,0 +1,78 @@
+"""Command-line flags shared by `tallow serve`, `tallow generate` and `tallow chat`, mapped onto
+EngineArgs (the same names `LLM(...)` takes). Flags follow candle-vllm / vLLM users' habits."""
+from __future__ import annotations
+
+import argparse
+
+from tallow.engine.args import EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("model_pos", nargs="?", metavar="MODEL",
+                   help="hub id (org/name), local folder or .gguf file (same as --m)")
+    g.add_argument("--m", "--model", dest="model", help="Hugging Face hub id (org/name) or local path")
+    g.add_argument("--w", "--weights", dest="weights_dir", help="local folder with config.json and safetensors")
+    g.add_argument("--f", "--gguf", dest="gguf_file",
+                   help="a .gguf file, or with --m a GGUF repository, the file to pick inside it")
+    g.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="compute dtype (auto: float32 on CPU)")
+    g.add_argument("--isq", metavar="TYPE", help="in-situ quantization of the weights at load (e.g. q4k)")
+    g.add_argument("--chat-template", help="chat template file or inline Jinja, overriding the model's")
+    g.add_argument("--yarn-scaling-factor", type=float, help="extend the context with YaRN by this factor")
+
+    g = p.add_argument_group("device and memory")
+    g.add_argument("--d", "--device-ids", dest="device_ids",
+                   help="GPU ids, e.g. 0 or 0,1 (default: CPU)")
+    g.add_argument("--mem", type=int, help="KV-cache budget in MB (default 2048 on CPU)")
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                   help="fraction of GPU memory free after loading the weights to give the KV cache")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--fp8-kvcache", action="store_true", help="store the KV cache in FP8 E4M3 (CUDA only)")
+    g.add_argument("--num-threads", type=int, help="CPU threads for the kernels (default: all cores)")
+
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's, or what fits the cache)")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (default 8192)")
+    g.add_argument("--prefill-chunk-size", type=int, default=8192, help="chunked prefill size; 0 disables chunking")
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default on)")
+    g.add_argument("--prefix-cache-max-tokens", type=int, help="most tokens kept cached in free blocks")
+
+    g = p.add_argument_group("sampling defaults")
+    g.add_argument("--max-gen-tokens", type=int, help="default max_tokens of a request that sets none")
+    g.add_argument("--frequency-penalty", type=float, help="default frequency penalty")
+    g.add_argument("--presence-penalty", type=float, help="default presence penalty")
+    g.add_argument("--seed", type=int, help="default sampling seed")
+
+
+class FlagError(ValueError):
+    """A flag this build cannot honour; the CLI prints it as one line."""
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    model = ns.model or ns.model_pos
+    if ns.model and ns.model_pos:
+        raise FlagError(f"give the model once (got {ns.model_pos!r} and --m {ns.model!r})")
+    gguf = ns.gguf_file
+    if model and model.endswith(".gguf") and not gguf:
+        model, gguf = None, model
+    if ns.isq:
+        raise FlagError(f"--isq {ns.isq}: in-situ quantization is not supported by this build yet")
+    device = "cpu"
+    if ns.device_ids:
+        ids = [s for s in ns.device_ids.split(",") if s.strip()]
+        device = f"cuda:{ids[0].strip()}"
+    if ns.fp8_kvcache and device == "cpu":
+        raise FlagError("--fp8-kvcache needs a CUDA device (--d 0); the CPU backend keeps the KV cache in float")
+    return EngineArgs(
+        model=model, weights_dir=ns.weights_dir, gguf_file=gguf, revision=ns.revision, dtype=ns.dtype,
+        device=device, block_size=ns.block_size, mem=ns.mem, gpu_memory_fraction=ns.gpu_memory_fraction,
+        max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len, max_num_batched_tokens=ns.max_num_batched_tokens,
+        prefill_chunk_size=ns.prefill_chunk_size, prefix_cache=ns.prefix_cache,
+        prefix_cache_max_tokens=ns.prefix_cache_max_tokens, kv_cache_dtype="float8_e4m3" if ns.fp8_kvcache else "auto",
+        chat_template=ns.chat_template, yarn_scaling_factor=ns.yarn_scaling_factor, num_threads=ns.num_threads,
+        seed=ns.seed, max_gen_tokens=ns.max_gen_tokens, frequency_penalty=ns.frequency_penalty,
+        presence_penalty=ns.presence_penalty)
