@@ -31,9 +31,12 @@ void bind_backends(py::module_& m) {
         auto s = tallow::get_allocator(tallow::DeviceType::CPU)->stats();
         py::dict d;
         d["allocated_bytes"] = s.allocated_bytes;
+        d["reserved_bytes"] = s.reserved_bytes;
         d["peak_allocated_bytes"] = s.peak_allocated_bytes;
         d["num_allocs"] = s.num_allocs;
         return d;
       },
-      "Bytes held by tensors the CPU allocator made");
+      "Bytes held by tensors the CPU allocator made (reserved includes cached free blocks)");
+  m.def("cpu_empty_cache", [] { tallow::get_allocator(tallow::DeviceType::CPU)->empty_cache(); },
+        "Return the CPU allocator's cached free blocks to the system");
 }
