@@ -64,7 +64,7 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
   Shape oshape = ids.shape();
   oshape.push_back(D);
   Tensor out = Tensor::empty(oshape, odt, table.device());
-  if (nids > 0 && !is_capturing(ctx.stream)) {
+  if (nids > 0 && index_checks() && !is_capturing(ctx.stream)) {
     DeviceFlag flag(table, ctx.stream);
     check_ids_kernel<<<grid_for(nids, 256), 256, 0, ctx.stream>>>(ids.data_ptr(), i32, nids, V, flag.ptr());
     TALLOW_CUDA_CHECK_LAUNCH(op);

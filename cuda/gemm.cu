@@ -11,7 +11,9 @@
 // owns 4 output columns (rows of w) and its 128 threads split K; w is streamed once with 16-byte
 // loads, x (tiny) comes through L1, f32 accumulators, a block reduction, bias, one rounding.
 #include <cublasLt.h>
+#include <cublas_v2.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -105,9 +107,11 @@ void launch_skinny(const T* x, int64_t ldx, int M, const T* w, int64_t ldw, cons
 
 // ---- cuBLASLt -----------------------------------------------------------------------------------
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+constexpr int kCandidates = 16;
 
 struct DeviceBlas {
   cublasLtHandle_t handle = nullptr;
+  cublasHandle_t blas = nullptr;  // cublasGemmEx, a further candidate when large products are timed
   void* workspace = nullptr;
 };
 
@@ -120,6 +124,8 @@ DeviceBlas& blas_for(int device) {
   if (!b.handle) {
     TALLOW_CUBLAS_CHECK("matmul", cublasLtCreate(&b.handle));
     TALLOW_CUDA_CHECK("matmul", cudaMalloc(&b.workspace, kWorkspaceBytes));
+    TALLOW_CUBLAS_CHECK("matmul", cublasCreate(&b.blas));
+    TALLOW_CUBLAS_CHECK("matmul", cublasSetWorkspace(b.blas, b.workspace, kWorkspaceBytes));
   }
   return b;
 }
@@ -149,6 +155,9 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's top picks, timed at first use
+  bool tuned = false;
+  bool use_gemmex = false;  // cublasGemm(Strided)BatchedEx won the timing
 };
 
 cudaDataType_t cuda_type(DType d) {
@@ -177,7 +186,7 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int64_t rows, int64_t cols,
   return l;
 }
 
-const Plan& get_plan(const PlanKey& key, DType dt) {
+Plan& get_plan(const PlanKey& key, DType dt) {
   static std::mutex mu;
   static std::map<PlanKey, Plan> plans;
   std::lock_guard<std::mutex> lk(mu);
@@ -209,15 +218,32 @@ const Plan& get_plan(const PlanKey& key, DType dt) {
   TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof ab));
   TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
   TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
-  cublasLtMatmulHeuristicResult_t res{};
+  cublasLtMatmulHeuristicResult_t res[kCandidates]{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(blas_for(key.device).handle, p.op, p.la, p.lb, p.lc, p.lc,
-                                                           pref, 1, &res, &found);
+                                                           pref, kCandidates, res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   TALLOW_CUBLAS_CHECK("matmul (heuristic)", st);
   if (found == 0) throw CudaError(str_cat("matmul: cuBLASLt has no algorithm for m=", key.m, " n=", key.n, " k=", key.k));
-  p.algo = res.algo;
+  p.algo = res[0].algo;
+  // Large products time the heuristic's top picks once (its first choice is not always the fastest).
+  if ((double)key.m * key.n * key.k * key.batch >= 1e9)
+    for (int i = 0; i < found; ++i) p.candidates.push_back(res[i].algo);
+  p.tuned = p.candidates.size() <= 1;
   return plans.emplace(key, p).first->second;
+}
+
+// The plan's product through cublasGemmStridedBatchedEx (same operands and layouts as cuBLASLt's).
+cublasStatus_t gemmex(DeviceBlas& b, const PlanKey& key, DType dt, const void* a, const void* bm, void* c,
+                      cudaStream_t stream) {
+  cublasStatus_t st = cublasSetStream(b.blas, stream);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  const cudaDataType_t t = cuda_type(dt);
+  const float alpha = 1.f, beta = 0.f;
+  return cublasGemmStridedBatchedEx(b.blas, key.a.trans ? CUBLAS_OP_T : CUBLAS_OP_N, key.b.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    (int)key.m, (int)key.n, (int)key.k, &alpha, a, t, (int)key.a.ld, key.a.batch_stride,
+                                    bm, t, (int)key.b.ld, key.b.batch_stride, &beta, c, t, (int)key.ldc, key.c_stride,
+                                    (int)key.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 // A row-major matrix view X[R, C] (strides rs, cs) as the column-major transpose cuBLASLt needs:
@@ -294,13 +320,56 @@ void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tenso
   key.align_a = alignment(B.data_ptr());
   key.align_b = alignment(A.data_ptr());
   key.align_c = alignment(C.data_ptr());
-  const Plan& p = get_plan(key, C.dtype());
+  Plan& p = get_plan(key, C.dtype());
   if (bias) {
     const void* bp = bias->data_ptr();
     TALLOW_CUBLAS_CHECK(op, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp));
   }
   const float alpha = 1.f, beta = 0.f;
   DeviceBlas& blas = blas_for(key.device);
+  if (!p.tuned && !is_capturing(stream)) {
+    // Time each candidate (2 runs, the second counted) on the real operands; keep the fastest.
+    cudaEvent_t e0, e1;
+    TALLOW_CUDA_CHECK(op, cudaEventCreate(&e0));
+    TALLOW_CUDA_CHECK(op, cudaEventCreate(&e1));
+    float best = 1e30f;
+    for (const auto& algo : p.candidates) {
+      float ms = 1e30f;
+      bool ok = true;
+      for (int r = 0; r < 2 && ok; ++r) {
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e0, stream));
+        ok = cublasLtMatmul(blas.handle, p.op, &alpha, B.data_ptr(), p.la, A.data_ptr(), p.lb, &beta, C.data_ptr(),
+                            p.lc, C.data_ptr(), p.lc, &algo, blas.workspace, kWorkspaceBytes, stream) ==
+             CUBLAS_STATUS_SUCCESS;
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e1, stream));
+        TALLOW_CUDA_CHECK(op, cudaEventSynchronize(e1));
+        if (ok) TALLOW_CUDA_CHECK(op, cudaEventElapsedTime(&ms, e0, e1));
+      }
+      if (ok && ms < best) {
+        best = ms;
+        p.algo = algo;
+      }
+    }
+    if (!bias) {  // cuBLAS's own heuristics (cublasGemmEx) as one more candidate
+      float ms = 1e30f;
+      bool ok = true;
+      for (int r = 0; r < 2 && ok; ++r) {
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e0, stream));
+        ok = gemmex(blas, key, C.dtype(), B.data_ptr(), A.data_ptr(), C.data_ptr(), stream) == CUBLAS_STATUS_SUCCESS;
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e1, stream));
+        TALLOW_CUDA_CHECK(op, cudaEventSynchronize(e1));
+        if (ok) TALLOW_CUDA_CHECK(op, cudaEventElapsedTime(&ms, e0, e1));
+      }
+      p.use_gemmex = ok && ms < best;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    p.tuned = true;
+  }
+  if (p.use_gemmex) {
+    TALLOW_CUBLAS_CHECK(op, gemmex(blas, key, C.dtype(), B.data_ptr(), A.data_ptr(), C.data_ptr(), stream));
+    return;
+  }
   TALLOW_CUBLAS_CHECK(op, cublasLtMatmul(blas.handle, p.op, &alpha, B.data_ptr(), p.la, A.data_ptr(), p.lb, &beta,
                                          C.data_ptr(), p.lc, C.data_ptr(), p.lc, &p.algo, blas.workspace,
                                          kWorkspaceBytes, stream));
@@ -316,13 +385,18 @@ bool skinny_ok(const Tensor& x2, const Tensor& w, const Tensor& o, int64_t M, in
 
 }  // namespace
 
-int skinny_max_m() {
-  static const int v = [] {
+namespace {
+std::atomic<int>& skinny_limit() {
+  static std::atomic<int> v{[] {
     const char* e = std::getenv("TALLOW_SKINNY_MAX_M");
-    return e ? std::atoi(e) : 16;
-  }();
+    return e ? std::atoi(e) : 2;
+  }()};
   return v;
 }
+}  // namespace
+
+int skinny_max_m() { return skinny_limit().load(); }
+void set_skinny_max_m(int m) { skinny_limit().store(m < 0 ? 0 : (m > 16 ? 16 : m)); }
 
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::optional<Tensor>& out) {
   const char* op = "linear";

@@ -36,8 +36,4 @@ __device__ __forceinline__ void unpack16<__half>(const uint4& u, float (&f)[8]) 
   }
 }
 
-// Which path a linear/matmul of M rows takes: skinny kernel when M <= skinny_max_m() (default 16,
-// TALLOW_SKINNY_MAX_M overrides; 0 disables it).
-int skinny_max_m();
-
 }  // namespace tallow::cuda

@@ -33,7 +33,7 @@ void Graph::capture_begin(StreamHandle s, std::shared_ptr<GraphPool> pool) {
   // Work queued on s before the capture must not be recorded into the graph: wait for it here.
   TALLOW_CUDA_CHECK("CUDAGraph.capture_begin", cudaStreamSynchronize((cudaStream_t)s));
   set_capture_pool(device_, pool_.get());
-  const cudaError_t e = cudaStreamBeginCapture((cudaStream_t)s, cudaStreamCaptureModeThreadLocal);
+  const cudaError_t e = cudaStreamBeginCapture((cudaStream_t)s, cudaStreamCaptureModeRelaxed);
   if (e != cudaSuccess) {
     set_capture_pool(device_, nullptr);
     TALLOW_CUDA_CHECK("CUDAGraph.capture_begin", e);
@@ -56,7 +56,7 @@ void Graph::capture_end() {
 void Graph::replay(StreamHandle s) {
   TALLOW_CHECK(exec_, "CUDAGraph.replay: nothing captured");
   DeviceGuard g(device_);
-  TALLOW_CUDA_CHECK("CUDAGraph.replay", cudaGraphLaunch((cudaGraphExec_t)exec_, (cudaStream_t)(s ? s : stream_)));
+  TALLOW_CUDA_CHECK("CUDAGraph.replay", cudaGraphLaunch((cudaGraphExec_t)exec_, (cudaStream_t)s));
 }
 
 int64_t Graph::num_nodes() const {

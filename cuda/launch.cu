@@ -1,6 +1,26 @@
 #include "launch.cuh"
 
+#include <atomic>
+
+#include "ops_cuda.h"
+
 namespace tallow::cuda {
+
+namespace {
+std::atomic<bool> g_index_checks{true};
+}  // namespace
+
+bool index_checks() { return g_index_checks.load(); }
+
+int sm_count() {
+  static int counts[64] = {};
+  int dev = 0;
+  TALLOW_CUDA_CHECK("sm_count", cudaGetDevice(&dev));
+  if (dev >= 64) dev = 63;
+  if (!counts[dev]) TALLOW_CUDA_CHECK("sm_count", cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev));
+  return counts[dev];
+}
+void set_index_checks(bool on) { g_index_checks.store(on); }
 
 Tensor make_out(const char* op, const std::optional<Tensor>& out, const Shape& shape, DType dtype, Device device) {
   if (!out || !out->defined()) return Tensor::empty(shape, dtype, device);

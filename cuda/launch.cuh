@@ -19,6 +19,9 @@ Tensor last_dim_contiguous(const Tensor& t);
 // Full-tensor element offsets for t viewed with `shape` (t broadcastable to shape; size-1 dims dropped).
 Strided broadcast_index(const char* op, const Tensor& t, const Shape& shape);
 
+// Multiprocessors of the current device (cached per device).
+int sm_count();
+
 // A device int flag: reset, then read back (synchronizing) after kernels set it.
 class DeviceFlag {
  public:

@@ -1,4 +1,6 @@
 // rms_norm, fused_add_rms_norm and layer_norm on CUDA (see norm.cuh).
+#include <type_traits>
+
 #include "launch.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"
@@ -15,32 +17,53 @@ struct NormArgs {
 };
 
 // mode 0: rms_norm; 1: fused add (residual R updated in place, x is X); 2: layer_norm.
+// The row is cached in shared memory in its storage type (C: the residual's type in mode 1, else
+// X), one Pack per thread and step, so a warp's accesses are contiguous (no bank conflicts).
 template <class X, class R, int VEC, int kMode>
 __global__ void norm_kernel(const X* __restrict__ x, Strided xrows, R* res, Strided rrows, const X* __restrict__ w,
                             const X* __restrict__ b, X* __restrict__ out, NormArgs a) {
-  extern __shared__ float srow[];
+  using C = std::conditional_t<kMode == 1, R, X>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Pack<C, VEC>* cache = reinterpret_cast<Pack<C, VEC>*>(smem_raw);
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
   const X* xr = x + xrows.offset(row);
   R* rr = kMode == 1 ? res + rrows.offset(row) : nullptr;
   X* orow = out + row * a.H;
   const int64_t nv = a.H / VEC;
+  // The row's values (as stored: x, or the updated residual) for vector v.
+  auto row_vec = [&](int64_t v, float (&f)[VEC]) {
+    if (a.cache) {
+      const Pack<C, VEC> p = cache[v];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = to_float(p.v[j]);
+    } else if constexpr (kMode == 1) {
+      load_vec<R, VEC>(rr, v * VEC, f);
+    } else {
+      load_vec<X, VEC>(xr, v * VEC, f);
+    }
+  };
   float acc = 0.f;
   for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
     float f[VEC];
     load_vec<X, VEC>(xr, v * VEC, f);
+    Pack<C, VEC> p;
     if constexpr (kMode == 1) {
       float r[VEC];
       load_vec<R, VEC>(rr, v * VEC, r);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] = to_float(from_float<R>(f[j] + r[j]));  // the stored residual
-      store_vec<R, VEC>(rr, v * VEC, f);
-    }
+      for (int j = 0; j < VEC; ++j) {
+        p.v[j] = from_float<R>(f[j] + r[j]);  // the stored residual ...
+        f[j] = to_float(p.v[j]);              // ... is what gets normed
+      }
+      *reinterpret_cast<Pack<R, VEC>*>(rr + v * VEC) = p;
+    } else {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      acc += kMode == 2 ? f[j] : f[j] * f[j];
-      if (a.cache) srow[v * VEC + j] = f[j];
+      for (int j = 0; j < VEC; ++j) p.v[j] = from_float<C>(f[j]);  // exact: C == X here
     }
+    if (a.cache) cache[v] = p;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc += kMode == 2 ? f[j] : f[j] * f[j];
   }
   const float total = block_sum(acc, red);
   float inv, mean = 0.f;
@@ -49,12 +72,7 @@ __global__ void norm_kernel(const X* __restrict__ x, Strided xrows, R* res, Stri
     float var = 0.f;
     for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
       float f[VEC];
-      if (a.cache) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = srow[v * VEC + j];
-      } else {
-        load_vec<X, VEC>(xr, v * VEC, f);
-      }
+      row_vec(v, f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) var += (f[j] - mean) * (f[j] - mean);
     }
@@ -65,14 +83,7 @@ __global__ void norm_kernel(const X* __restrict__ x, Strided xrows, R* res, Stri
   }
   for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
     float f[VEC];
-    if (a.cache) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] = srow[v * VEC + j];
-    } else if constexpr (kMode == 1) {
-      load_vec<R, VEC>(rr, v * VEC, f);
-    } else {
-      load_vec<X, VEC>(xr, v * VEC, f);
-    }
+    row_vec(v, f);
     float wv[VEC], bv[VEC];
     if (w) {
       load_vec<X, VEC>(w, v * VEC, wv);
@@ -92,6 +103,97 @@ __global__ void norm_kernel(const X* __restrict__ x, Strided xrows, R* res, Stri
       else f[j] = f[j] * inv * (wv[j] + a.w_add);
     }
     store_vec<X, VEC>(orow, v * VEC, f);
+  }
+}
+
+// The same three norms with the row held in registers: each thread owns up to KMAX packs (all its
+// loads are issued before the reduction waits on them). Used when nv <= KMAX * blockDim.x.
+template <class X, class R, int VEC, int kMode, int KMAX>
+__global__ void norm_reg_kernel(const X* __restrict__ x, Strided xrows, R* res, Strided rrows, const X* __restrict__ w,
+                                const X* __restrict__ b, X* __restrict__ out, NormArgs a) {
+  using C = std::conditional_t<kMode == 1, R, X>;
+  __shared__ float red[32];
+  const int64_t row = blockIdx.x;
+  const X* xr = x + xrows.offset(row);
+  R* rr = kMode == 1 ? res + rrows.offset(row) : nullptr;
+  X* orow = out + row * a.H;
+  const int nv = (int)(a.H / VEC);
+  Pack<X, VEC> xp[KMAX];
+  Pack<C, VEC> cp[KMAX];
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v < nv) xp[k] = *reinterpret_cast<const Pack<X, VEC>*>(xr + (int64_t)v * VEC);
+  }
+  if constexpr (kMode == 1) {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int v = threadIdx.x + k * blockDim.x;
+      if (v < nv) cp[k] = *reinterpret_cast<const Pack<R, VEC>*>(rr + (int64_t)v * VEC);
+    }
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v >= nv) continue;
+    if constexpr (kMode == 1) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cp[k].v[j] = from_float<R>(to_float(xp[k].v[j]) + to_float(cp[k].v[j]));
+      *reinterpret_cast<Pack<R, VEC>*>(rr + (int64_t)v * VEC) = cp[k];
+    } else {
+      cp[k] = xp[k];
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float f = to_float(cp[k].v[j]);
+      acc += kMode == 2 ? f : f * f;
+    }
+  }
+  const float total = block_sum(acc, red);
+  float inv, mean = 0.f;
+  if constexpr (kMode == 2) {
+    mean = total / (float)a.H;
+    float var = 0.f;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int v = threadIdx.x + k * blockDim.x;
+      if (v >= nv) continue;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = to_float(cp[k].v[j]) - mean;
+        var += d * d;
+      }
+    }
+    var = block_sum(var, red);
+    inv = 1.0f / sqrtf(var / (float)a.H + a.eps);
+  } else {
+    inv = 1.0f / sqrtf(total / (float)a.H + a.eps);
+  }
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const int v = threadIdx.x + k * blockDim.x;
+    if (v >= nv) continue;
+    float wv[VEC], bv[VEC], f[VEC];
+    if (w) {
+      load_vec<X, VEC>(w, (int64_t)v * VEC, wv);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) wv[j] = 1.f;
+    }
+    if (kMode == 2 && b) {
+      load_vec<X, VEC>(b, (int64_t)v * VEC, bv);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) bv[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float fv = to_float(cp[k].v[j]);
+      if constexpr (kMode == 2) f[j] = (fv - mean) * inv * wv[j] + bv[j];
+      else f[j] = fv * inv * (wv[j] + a.w_add);
+    }
+    store_vec<X, VEC>(orow, (int64_t)v * VEC, f);
   }
 }
 
@@ -121,11 +223,12 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
       if (res) vec = vec && rows_aligned(*res, (int64_t)sizeof(R) * V);
       if (w) vec = vec && aligned_to(w->data_ptr(), (size_t)xa);
       if (b) vec = vec && aligned_to(b->data_ptr(), (size_t)xa);
-      NormArgs a{H, eps, w_add, H <= kNormMaxCachedFloats};
+      using C = std::conditional_t<kMode == 1, R, X>;
+      NormArgs a{H, eps, w_add, H * (int64_t)sizeof(C) <= kNormMaxCachedBytes};
       const int64_t nv = vec ? H / V : H;
       int threads = (int)std::min<int64_t>(1024, std::max<int64_t>(32, (nv + 31) / 32 * 32));
       if (threads > 256 && nv < 4 * threads) threads = std::max(256, (int)((nv / 4 + 31) / 32 * 32));
-      const size_t smem = a.cache ? (size_t)H * sizeof(float) : 0;
+      const size_t smem = a.cache ? (size_t)H * sizeof(C) : 0;
       const X* pw = w ? static_cast<const X*>(w->data_ptr()) : nullptr;
       const X* pb = b ? static_cast<const X*>(b->data_ptr()) : nullptr;
       R* pr = res ? static_cast<R*>(res->data_ptr()) : nullptr;
@@ -135,8 +238,18 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
         kernel<<<(unsigned)rows, threads, smem, ctx.stream>>>(static_cast<const X*>(x.data_ptr()), xr, pr, rr, pw, pb,
                                                              static_cast<X*>(o.data_ptr()), a);
       };
-      if (vec) run(norm_kernel<X, R, V, kMode>);
-      else run(norm_kernel<X, R, 1, kMode>);
+      constexpr int KMAX = 4;
+      if (vec && nv <= (int64_t)KMAX * 1024) {
+        // Registers: enough threads that each holds at most KMAX packs (at least 2 per thread when possible).
+        const int64_t want = std::max<int64_t>(32, (ceil_div(nv, KMAX) + 31) / 32 * 32);
+        const int t = (int)std::min<int64_t>(1024, std::max<int64_t>(want, std::min<int64_t>(128, (nv / 2 + 31) / 32 * 32)));
+        norm_reg_kernel<X, R, V, kMode, KMAX><<<(unsigned)rows, t, 0, ctx.stream>>>(
+            static_cast<const X*>(x.data_ptr()), xr, pr, rr, pw, pb, static_cast<X*>(o.data_ptr()), a);
+      } else if (vec) {
+        run(norm_kernel<X, R, V, kMode>);
+      } else {
+        run(norm_kernel<X, R, 1, kMode>);
+      }
     };
     if constexpr (kMode == 1) {
       switch (res->dtype()) {
@@ -162,6 +275,9 @@ Tensor rms_norm(const Tensor& x_in, const Tensor& w, float eps, bool gemma_offse
 }
 
 Tensor fused_add_rms_norm(const Tensor& x_in, const Tensor& residual, const Tensor& w, float eps, bool gemma_offset) {
+  for (int64_t d = 0; d < residual.dim(); ++d)
+    TALLOW_CHECK(residual.stride(d) != 0 || residual.size(d) <= 1, "fused_add_rms_norm: residual of shape ",
+                 shape_str(residual.shape()), " is a broadcast view (stride 0) and cannot be updated in place");
   // x aliasing residual is read from a copy (the kernel updates residual in place).
   const Tensor x = x_in.storage() == residual.storage() ? contiguous(x_in.clone()) : last_dim_contiguous(x_in);
   const Tensor wc = contiguous(w);

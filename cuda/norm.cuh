@@ -6,7 +6,8 @@
 
 namespace tallow::cuda {
 
-constexpr int kNormMaxCachedFloats = 40 * 1024;  // 160 KiB of shared memory per row at most
+constexpr int kNormMaxCachedFloats = 40 * 1024;  // softmax: 160 KiB of shared memory per row at most
+constexpr int64_t kNormMaxCachedBytes = 96 * 1024;  // norms: the row in its storage type
 
 // VEC consecutive elements (VEC * sizeof(T) bytes, aligned to that) in one access.
 template <class T, int VEC>

@@ -11,6 +11,13 @@
 
 namespace tallow::cuda {
 
+// Index checks (launch.cu): rotary_embedding's positions, embedding's ids, paged attention's block
+// ids and reshape_and_cache's slots are validated on the device and read back before the op returns,
+// raising IndexError/ValueError as on the CPU. The read-back waits for the stream; an engine that
+// builds these indices itself can turn the checks off (they are skipped anyway under graph capture).
+bool index_checks();
+void set_index_checks(bool on);
+
 // activation.cu
 Tensor silu_and_mul(const Tensor& x, const std::optional<Tensor>& out = std::nullopt);
 Tensor gelu_and_mul(const Tensor& x, const std::string& approximate = "tanh",
@@ -32,6 +39,10 @@ Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> ou
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
+// Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 2;
+// TALLOW_SKINNY_MAX_M sets it at start; 0 turns the skinny kernel off).
+int skinny_max_m();
+void set_skinny_max_m(int m);
 // norm.cu
 Tensor rms_norm(const Tensor& x, const Tensor& w, float eps, bool gemma_offset = false,
                 const std::optional<Tensor>& out = std::nullopt);
@@ -39,6 +50,12 @@ Tensor fused_add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor&
                           bool gemma_offset = false);
 Tensor layer_norm(const Tensor& x, const std::optional<Tensor>& w, const std::optional<Tensor>& b, float eps,
                   const std::optional<Tensor>& out = std::nullopt);
+// paged_attention.cu
+void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& slot_mapping);
+Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+                       const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window = 0,
+                       float softcap = 0.0f, const std::optional<Tensor>& out = {});
 // rope.cu
 void rotary_embedding(const Tensor& positions, Tensor& q, std::optional<Tensor> k, const Tensor& cos_sin_cache,
                       bool neox);

@@ -149,7 +149,7 @@ class Graph {
   // Starts capturing the calling thread's work on stream s (a created stream, not the default one).
   void capture_begin(StreamHandle s, std::shared_ptr<GraphPool> pool = nullptr);
   void capture_end();
-  void replay(StreamHandle s);  // launches the captured work on s (nullptr: the capture stream)
+  void replay(StreamHandle s);  // launches the captured work on s (nullptr: the legacy default stream)
   void reset();                 // drops the graph and releases its pool (if no other graph shares it)
   bool captured() const { return exec_ != nullptr; }
   std::shared_ptr<GraphPool> pool() const { return pool_; }

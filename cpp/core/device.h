@@ -1,5 +1,6 @@
 // Where a tensor's bytes live.
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace tallow {

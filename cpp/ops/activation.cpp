@@ -13,6 +13,9 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
+#ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
+#endif
 
 #if defined(__GNUC__) || defined(__clang__)
 #define TALLOW_ACT_INLINE inline __attribute__((always_inline))
@@ -108,6 +111,9 @@ Tensor gated(const char* op, const Tensor& x_in, const std::optional<Tensor>& ou
   const int64_t d = shape.back() / 2;
   shape.back() = d;
   Tensor o = make_out(op, out, shape, x_in.dtype(), x_in.device());
+#ifdef TALLOW_WITH_CUDA
+  if (x_in.device().type == DeviceType::CUDA) return kAct == Act::Silu ? cuda::silu_and_mul(x_in, o) : cuda::gelu_and_mul(x_in, kAct == Act::GeluTanh ? "tanh" : "none", o);
+#endif
   if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
   const Tensor x = x_in.stride(-1) != 1 ? x_in.contiguous() : x_in;
   TALLOW_DISPATCH_FLOAT(op, x.dtype(), [&] {

@@ -28,6 +28,9 @@
 #include "ops/common.h"
 #include "ops/dequant_row.h"
 #include "ops/rows.h"
+#ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
+#endif
 
 namespace tallow::ops {
 
@@ -339,6 +342,9 @@ Tensor dequantize(const Tensor& q, DType dtype) {
   TALLOW_CHECK(q.size(-1) <= 1 || q.stride(-1) == 1, "dequantize: ", dtype_name(q.dtype()), " tensor of shape ",
                shape_str(q.shape()), " and strides ", shape_str(q.strides()),
                " must be contiguous along the last dimension");
+#ifdef TALLOW_WITH_CUDA
+  if (q.device().type == DeviceType::CUDA) return cuda::dequantize(q, dtype);
+#endif
   if (!q.device().is_cpu()) unsupported_device("dequantize", q);
 
   Tensor o = Tensor::empty(q.shape(), dtype, q.device());

@@ -16,6 +16,9 @@
 #include "ops/common.h"
 #include "ops/dequant_row.h"
 #include "ops/rows.h"
+#ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
+#endif
 
 namespace tallow::ops {
 
@@ -69,6 +72,9 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
   TALLOW_CHECK_TYPE(odt == DType::F32 || odt == DType::F16 || odt == DType::BF16, op,
                     ": output dtype must be float32, float16 or bfloat16, got ", dtype_name(odt));
   if (block) check_contiguous(op, table, "table (block dtype)");
+#ifdef TALLOW_WITH_CUDA
+  if (ids_in.device().type == DeviceType::CUDA) return cuda::embedding(ids_in, table, out_dtype);
+#endif
   if (!ids_in.device().is_cpu()) unsupported_device(op, ids_in);
 
   const int64_t V = table.size(0), D = table.size(1);

@@ -8,20 +8,27 @@
 //    for that ISA. (target_clones cannot do this: the register tile must differ per ISA — 12x32 floats
 //    in 32 zmm registers, 6x16 in 16 ymm registers.)
 //
-// Algorithm (the BLIS scheme). The "B side" is packed to f32 panels of NR columns ([K][NR] each); the
-// "A side" is packed to f32 micro-panels of MR rows ([MR][kc], row-major, so K-contiguous rows are a plain
-// copy). The micro-kernel keeps an MR x NR tile of f32 accumulators in registers, broadcasting A and
-// loading B vectors. One task = (batch, NCT columns, a range of MC-row blocks): it packs its B block once
-// and walks K in KC slabs, accumulating in an f32 tile that the epilogue adds the bias to and rounds to the
-// output dtype. Which operand plays "A" is chosen by packing cost: C^T = B^T·A^T is used when that turns a
-// transposing pack into a copy (linear's x·W^T with M < N: W rows become A micro-panels, no transpose).
-// Small M (decode) skips packing: with B columns K-contiguous (linear weights) each output is a dot
-// product streamed over W once, converting f16/bf16 on the fly; with B rows N-contiguous, an axpy sweep.
+// Algorithm (the BLIS scheme). The "B side" is packed to f32 panels of NR columns ([K][NR] each) — for one
+// GEMM by all threads together, up to NCB columns at a time; the "A side" is packed per task to f32
+// micro-panels of MR rows ([MR][kc], row-major, so K-contiguous rows are a plain copy). The micro-kernel
+// keeps an MR x NR tile of f32 accumulators in registers, broadcasting A and loading B vectors. A task is
+// (block of <= MC rows, group of panels <= NCT columns): it walks K in KC slabs, accumulating in an f32 tile
+// that the epilogue adds the bias to and rounds to the output dtype. Tasks split rows and columns, never K,
+// so every output is summed in the same order whatever the thread count. Batches of many GEMMs run one
+// whole GEMM per task instead. Which operand plays "A" is chosen by packing cost: C^T = B^T·A^T is used
+// when that moves the transposing pack to the smaller operand (linear's x·W^T with M < N: W rows become
+// A micro-panels, copied; x is transposed into B panels, W x W blocks in registers).
+// Small M (decode, M <= 16) skips packing: with B columns K-contiguous (linear weights) each output is a
+// dot product streamed over W once, converting f16/bf16 on the fly; with B rows N-contiguous, an axpy
+// sweep. The same holds for N <= 16 through C^T.
 #ifndef TALLOW_OPS_GEMM_KERNEL_SHARED_H
 #define TALLOW_OPS_GEMM_KERNEL_SHARED_H
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#if defined(_MSC_VER)
+#include <malloc.h>
+#endif
 #include <initializer_list>
 #include <new>
 #include <type_traits>
@@ -58,19 +65,34 @@ const char* isa_name();
 // Returns false (and changes nothing) when this CPU or build lacks that kernel set.
 bool set_isa(const char* name);
 
+inline void* aligned_malloc(size_t bytes) {
+#if defined(_MSC_VER)
+  return _aligned_malloc(bytes, 64);
+#else
+  return std::aligned_alloc(64, bytes);  // bytes is a multiple of 64
+#endif
+}
+inline void aligned_free(void* p) {
+#if defined(_MSC_VER)
+  _aligned_free(p);
+#else
+  std::free(p);
+#endif
+}
+
 // Grow-only, 64-byte aligned f32 scratch buffers, one set per thread (slot 0..3).
 inline float* scratch(int slot, int64_t n) {
   struct Buf {
     float* p = nullptr;
     int64_t cap = 0;
-    ~Buf() { std::free(p); }
+    ~Buf() { aligned_free(p); }
   };
   static thread_local Buf bufs[4];
   Buf& b = bufs[slot];
   if (n > b.cap) {
-    std::free(b.p);
+    aligned_free(b.p);
     const int64_t cap = ((n + 1023) / 1024) * 1024;
-    b.p = static_cast<float*>(std::aligned_alloc(64, (size_t)cap * sizeof(float)));
+    b.p = static_cast<float*>(aligned_malloc((size_t)cap * sizeof(float)));
     if (!b.p) throw std::bad_alloc();
     b.cap = cap;
   }
@@ -89,11 +111,7 @@ inline float* scratch(int slot, int64_t n) {
 #if TALLOW_GEMM_ISA == 512
 using vec = __m512;
 constexpr int W = 16;
-#ifndef UK_MR
-#define UK_MR 12
-#define UK_NV 2
-#endif
-constexpr int MR = UK_MR, NV = UK_NV;  // 24 accumulators of 32 zmm
+constexpr int MR = 12, NV = 2;  // 24 accumulators of 32 zmm
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vbcast(float x) { return _mm512_set1_ps(x); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -105,6 +123,35 @@ static inline vec vld(const bf16_t* p) {
 static inline vec vld(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static inline void vst(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#define TALLOW_GEMM_HAS_TRANSPOSE 1
+// r[i][c] -> r[c][i] for a W x W block.
+static inline void transpose_block(vec r[W]) {
+  vec t[W];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int m = 0; m < 4; ++m) {
+    t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+    t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+    t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+    t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+  }
+  for (int m = 0; m < 4; ++m) {
+    r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+    r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+    r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+    r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+  }
+}
 #elif TALLOW_GEMM_ISA == 256
 using vec = __m256;
 constexpr int W = 8;
@@ -125,7 +172,25 @@ static inline float vsum(vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-#else
+#define TALLOW_GEMM_HAS_TRANSPOSE 1
+static inline void transpose_block(vec r[W]) {
+  vec t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    u[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xee);
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xee);
+  }
+  for (int m = 0; m < 4; ++m) {
+    r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+    r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
+  }
+}
+#elif (defined(__GNUC__) || defined(__clang__)) && !defined(TALLOW_GEMM_NO_VECTOR_EXT)
 // Portable: 4-wide GCC/Clang vector extension (SSE2 on x86-64, NEON on Arm).
 typedef float vec __attribute__((vector_size(16)));
 constexpr int W = 4;
@@ -140,17 +205,34 @@ template <class T> static inline vec vld(const T* p) {
 }
 static inline void vst(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 static inline float vsum(vec v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+#else
+// Plain C++ (other compilers): 4 floats the optimiser may vectorise.
+struct vec {
+  float v[4];
+};
+constexpr int W = 4;
+constexpr int MR = 4, NV = 2;
+static inline vec vzero() { return vec{{0.f, 0.f, 0.f, 0.f}}; }
+static inline vec vbcast(float x) { return vec{{x, x, x, x}}; }
+static inline vec vfma(vec a, vec b, vec c) {
+  for (int i = 0; i < 4; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+static inline vec vadd(vec a, vec b) {
+  for (int i = 0; i < 4; ++i) a.v[i] += b.v[i];
+  return a;
+}
+template <class T> static inline vec vld(const T* p) {
+  return vec{{to_f32(p[0]), to_f32(p[1]), to_f32(p[2]), to_f32(p[3])}};
+}
+static inline void vst(float* p, vec v) { std::memcpy(p, v.v, sizeof v.v); }
+static inline float vsum(vec v) { return (v.v[0] + v.v[1]) + (v.v[2] + v.v[3]); }
 #endif
 
 constexpr int NR = NV * W;             // micro-tile columns
-#ifndef UK_KC
-#define UK_KC 256
-#define UK_MC 120
-#define UK_NCT 512
-#endif
-constexpr int64_t KC = UK_KC;            // K slab
-constexpr int64_t MC = MR * (UK_MC / MR);  // rows of A packed per slab (~120)
-constexpr int64_t NCT = UK_NCT;          // columns of the f32 C tile per task (multiple of NR)
+constexpr int64_t KC = 256;              // K slab
+constexpr int64_t MC = MR * (120 / MR);  // rows of A packed per slab (~120)
+constexpr int64_t NCT = 512;             // columns of the f32 C tile per task (multiple of NR)
 constexpr int64_t NCB = 2048;            // columns of B packed at a time (K x NCB floats, shared)
 constexpr int64_t kSmallM = 16;        // at most this many rows: GEMV paths, no packing
 
@@ -217,15 +299,35 @@ static void pack_b(const T* b, int64_t rsb, int64_t csb, int64_t K, int64_t j0, 
     }
     return;
   }
-  // Transposing pack (columns K-contiguous, e.g. x^T): long runs along each column keep the hardware
-  // prefetchers streaming; blocks of KB k keep the destination in L1.
-  constexpr int64_t KB = 128;
+  // Transposing pack (columns K-contiguous, e.g. x^T): W x W blocks transposed in registers where the ISA
+  // has it; blocks of KB k keep the destination in L1.
+  constexpr int64_t KB = 64;
   for (int64_t q = q0; q < q1; ++q) {
     float* dst = bp + q * K * NR;
     const int64_t c0 = q * NR, cols = nc - c0 < NR ? nc - c0 : NR;
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t kn = K - k0 < KB ? K - k0 : KB;
-      for (int64_t j = 0; j < cols; ++j) {
+      int64_t j = 0;
+#ifdef TALLOW_GEMM_HAS_TRANSPOSE
+      if (rsb == 1) {
+        for (; j + W <= cols; j += W) {
+          const T* src = b + k0 + (j0 + c0 + j) * csb;
+          float* d = dst + k0 * NR + j;
+          int64_t k = 0;
+          for (; k + W <= kn; k += W) {
+            vec r[W];
+#pragma GCC unroll 16
+            for (int i = 0; i < W; ++i) r[i] = vld(src + i * csb + k);
+            transpose_block(r);
+#pragma GCC unroll 16
+            for (int i = 0; i < W; ++i) vst(d + (k + i) * NR, r[i]);
+          }
+          for (; k < kn; ++k)
+            for (int i = 0; i < W; ++i) d[k * NR + i] = to_f32(src[i * csb + k]);
+        }
+      }
+#endif
+      for (; j < cols; ++j) {
         const T* src = b + k0 * rsb + (j0 + c0 + j) * csb;
         float* d = dst + k0 * NR + j;
         if (rsb == 1) {
@@ -234,7 +336,7 @@ static void pack_b(const T* b, int64_t rsb, int64_t csb, int64_t K, int64_t j0, 
           for (int64_t k = 0; k < kn; ++k) d[k * NR] = to_f32(src[k * rsb]);
         }
       }
-      for (int64_t j = cols; j < NR; ++j)
+      for (j = cols; j < NR; ++j)
         for (int64_t k = 0; k < kn; ++k) dst[(k0 + k) * NR + j] = 0.f;
     }
   }
@@ -251,11 +353,6 @@ static inline void micro_kernel(int64_t kc, const float* TALLOW_RESTRICT A, int6
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? vld(C + i * ldc + v * W) : vzero();
-#ifdef UK_UNROLL
-#define UK_P2(x) _Pragma(#x)
-#define UK_P(n) UK_P2(GCC unroll n)
-UK_P(UK_UNROLL)
-#endif
   for (int64_t k = 0; k < kc; ++k) {
     vec bv[NV];
 #pragma GCC unroll 4
@@ -325,13 +422,9 @@ static void compute_block(const Problem& p, const T* a, T* c, const float* bp, i
   for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
     const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
     pack_a(a, p.rsa, p.csa, i0, mc, k0, kc, ap);
-#ifdef UK_JR_OUTER
+    // B micro-panels (kc x NR) stay in L1 while the A micro-panels stream from L2.
     for (int64_t q = q0; q < q1; ++q)
       for (int64_t ir = 0; ir < mc; ir += MR)
-#else
-    for (int64_t ir = 0; ir < mc; ir += MR)
-      for (int64_t q = q0; q < q1; ++q)
-#endif
         micro_kernel(kc, ap + ir * kc, kc, bp + q * K * NR + k0 * NR, tile + ir * width + (q - q0) * NR, width, k0 > 0);
   }
   const int64_t c0 = q0 * NR, nc = (ncb - c0 < width ? ncb - c0 : width);
@@ -363,10 +456,19 @@ static void packed_shared(const Problem& p, int64_t bt) {
   T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
   const int threads = get_num_threads();
   const int64_t K = p.K;
-  // Up to NCB columns, and at most ~16 MiB of packed B (but never fewer than NCT columns).
-  int64_t ncb_max = (int64_t(4) << 20) / K / NR * NR;
-  if (ncb_max > NCB) ncb_max = NCB;
-  if (ncb_max < NCT) ncb_max = NCT;
+  // B block width. Each block re-reads all of A, so with few rows (A small next to B) the blocks are kept
+  // small enough (~2 MiB packed) to stay in cache between packing and use; with many rows, wide blocks
+  // (up to NCB columns, ~16 MiB) stream A fewer times.
+  int64_t ncb_small = (int64_t(512) << 10) / K / NR * NR;
+  if (ncb_small < NR) ncb_small = NR;
+  int64_t ncb_max;
+  if (p.M < 2 * ncb_small) {
+    ncb_max = ncb_small;
+  } else {
+    ncb_max = (int64_t(4) << 20) / K / NR * NR;
+    if (ncb_max > NCB) ncb_max = NCB;
+    if (ncb_max < NCT) ncb_max = NCT;
+  }
   if (ncb_max > round_up(p.N, NR)) ncb_max = round_up(p.N, NR);
   float* bp = scratch(0, K * ncb_max);  // this thread's buffer, shared with the workers below
   for (int64_t j0 = 0; j0 < p.N; j0 += ncb_max) {
@@ -442,11 +544,11 @@ static inline void dot_tile(int64_t K, const float* x, int64_t ldx, const T* w, 
 }
 
 template <class T, int RM>
-static void dot_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t i0, const T* b,
+static void dot_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t ldx, int64_t i0, const T* b,
                      int64_t j0, int64_t j1) {
   constexpr int RN = RM == 1 ? 8 : 4;
   float r[RM * 8];
-  const float* xr = x + i0 * K;
+  const float* xr = x + i0 * ldx;
   auto emit = [&](int64_t j, int rn) {
     for (int m = 0; m < RM; ++m)
       for (int n = 0; n < rn; ++n) {
@@ -459,11 +561,11 @@ static void dot_rows(const Problem& p, T* c, const T* bias, int64_t K, const flo
   };
   int64_t j = j0;
   for (; j + RN <= j1; j += RN) {
-    dot_tile<T, RM, RN>(K, xr, K, b + j * p.csb, p.csb, r);
+    dot_tile<T, RM, RN>(K, xr, ldx, b + j * p.csb, p.csb, r);
     emit(j, RN);
   }
   for (; j < j1; ++j) {
-    dot_tile<T, RM, 1>(K, xr, K, b + j * p.csb, p.csb, r);
+    dot_tile<T, RM, 1>(K, xr, ldx, b + j * p.csb, p.csb, r);
     emit(j, 1);
   }
 }
@@ -471,10 +573,10 @@ static void dot_rows(const Problem& p, T* c, const T* bias, int64_t K, const flo
 // ---- small M, B rows N-contiguous: axpy over rows of B ----------------------------------------------------
 
 template <class T, int RM>
-static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t i0, const T* b,
+static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t ldx, int64_t i0, const T* b,
                       int64_t j0, int64_t j1) {
   constexpr int NB = 4;  // vectors of columns per sweep
-  const float* xr = x + i0 * K;
+  const float* xr = x + i0 * ldx;
   auto emit = [&](int64_t j, const float* t, int64_t n, int64_t ldt) {
     for (int m = 0; m < RM; ++m)
       for (int64_t q = 0; q < n; ++q) {
@@ -498,7 +600,7 @@ static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const fl
       for (int v = 0; v < NB; ++v) bv[v] = vld(br + v * W);
 #pragma GCC unroll 4
       for (int m = 0; m < RM; ++m) {
-        const vec xv = vbcast(xr[m * K + k]);
+        const vec xv = vbcast(xr[m * ldx + k]);
 #pragma GCC unroll 4
         for (int v = 0; v < NB; ++v) acc[m][v] = vfma(xv, bv[v], acc[m][v]);
       }
@@ -512,7 +614,7 @@ static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const fl
     for (int m = 0; m < RM; ++m) acc[m] = vzero();
     for (int64_t k = 0; k < K; ++k) {
       const vec bv = vld(b + k * p.rsb + j);
-      for (int m = 0; m < RM; ++m) acc[m] = vfma(vbcast(xr[m * K + k]), bv, acc[m]);
+      for (int m = 0; m < RM; ++m) acc[m] = vfma(vbcast(xr[m * ldx + k]), bv, acc[m]);
     }
     for (int m = 0; m < RM; ++m) vst(t + m * W, acc[m]);
     emit(j, t, W, W);
@@ -524,7 +626,7 @@ static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const fl
     for (int64_t k = 0; k < K; ++k) {
       const T* br = b + k * p.rsb + j;
       for (int m = 0; m < RM; ++m) {
-        const float xv = xr[m * K + k];
+        const float xv = xr[m * ldx + k];
         for (int64_t q = 0; q < n; ++q) t[m * W + q] += xv * to_f32(br[q]);
       }
     }
@@ -544,23 +646,33 @@ static void run_small(const Problem& p) {
   const int64_t chunk = round_up(ceil_div(N, nchunks), kDot ? 8 : W);
   nchunks = ceil_div(N, chunk);
   parallel_for(0, p.batch * nchunks, 1, [&](int64_t t0, int64_t t1) {
-    float* x = scratch(3, M * K);
-    int64_t x_batch = -1;
+    // A rows as f32 with unit column stride: used in place when they already are, else converted once
+    // per batch per call.
+    constexpr bool kF32 = std::is_same_v<T, float>;
+    float* xbuf = nullptr;
+    const float* x = nullptr;
+    int64_t ldx = K, x_batch = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bt = t / nchunks, j0 = (t % nchunks) * chunk, j1 = j0 + chunk < N ? j0 + chunk : N;
       const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
       const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
       T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
-      if (bt != x_batch) {  // A rows -> contiguous f32, once per batch per thread chunk
-        for (int64_t i = 0; i < M; ++i) load_row(a + i * p.rsa, p.csa, x + i * K, K);
+      if (bt != x_batch) {
+        if (kF32 && p.csa == 1) {
+          x = reinterpret_cast<const float*>(a), ldx = p.rsa;
+        } else {
+          if (!xbuf) xbuf = scratch(3, M * K);
+          for (int64_t i = 0; i < M; ++i) load_row(a + i * p.rsa, p.csa, xbuf + i * K, K);
+          x = xbuf, ldx = K;
+        }
         x_batch = bt;
       }
       const T* bias = static_cast<const T*>(p.bias);
       int64_t i = 0;
       auto rows = [&](auto rm_tag) {
         constexpr int RM = decltype(rm_tag)::value;
-        if constexpr (kDot) dot_rows<T, RM>(p, c, bias, K, x, i, b, j0, j1);
-        else axpy_rows<T, RM>(p, c, bias, K, x, i, b, j0, j1);
+        if constexpr (kDot) dot_rows<T, RM>(p, c, bias, K, x, ldx, i, b, j0, j1);
+        else axpy_rows<T, RM>(p, c, bias, K, x, ldx, i, b, j0, j1);
         i += RM;
       };
       for (; i + 4 <= M;) rows(std::integral_constant<int, 4>{});
@@ -587,7 +699,7 @@ static inline Problem transposed(const Problem& p) {
 
 // Relative cost of the packing that orientation p needs (copying packs count 1, transposing ones 4).
 static inline double pack_cost(const Problem& p) {
-  const double a_passes = (double)ceil_div(p.N, NCT);  // A is packed once per tile of NCT columns
+  const double a_passes = (double)ceil_div(p.N, NCT);  // A is packed once per group of <= NCT columns
   const double m_pad = (double)round_up(p.M, MR) / (double)p.M, n_pad = (double)round_up(p.N, NR) / (double)p.N;
   const double a = (double)p.M * p.K * a_passes * (p.csa == 1 ? 1.0 : 4.0);
   const double b = (double)p.K * p.N * (p.csb == 1 ? 1.0 : 4.0);
@@ -631,4 +743,5 @@ void run(Elt elt, const Problem& p) {
   }
 }
 
+#undef TALLOW_GEMM_HAS_TRANSPOSE
 #endif  // TALLOW_GEMM_BODY

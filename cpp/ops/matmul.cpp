@@ -71,8 +71,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out
   Shape oshape = batch;
   oshape.push_back(M);
   oshape.push_back(N);
-  Tensor o = make_out(op, out, oshape, a.dtype(), a.device());
   if (!a.device().is_cpu()) unsupported_device(op, a);
+  Tensor o = make_out(op, out, oshape, a.dtype(), a.device());
   if (o.numel() == 0) return o;
 
   Shape sa = batch, sb = batch;
@@ -138,8 +138,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bia
   }
   Shape oshape(x.shape().begin(), x.shape().end() - 1);
   oshape.push_back(N);
-  Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
   if (!x.device().is_cpu()) unsupported_device(op, x);
+  Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
   if (o.numel() == 0) return o;
 
   const int64_t M = o.numel() / N;

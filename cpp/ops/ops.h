@@ -7,6 +7,7 @@
 #include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/norm.h"
+#include "ops/paged_attention.h"
 #include "ops/rope.h"
 #include "ops/softmax.h"
 #include "ops/topk.h"

@@ -1,3 +1,4 @@
+// Family status: CPU implementation complete and tested (tests/python/test_paged_attention.py).
 // Paged attention and the KV-cache write on CPU (see paged_attention.h for the contracts).
 //
 // paged_attention, for every sequence b, kv head g and query i of b (position p = ctx_b + i,
@@ -7,19 +8,23 @@
 //   out            = sum_j softmax(s)_j v_j
 // Key j's rows are read through the block table: block table[j / block_size], row j % block_size.
 //
-// Work items are (sequence, kv head, block of queries, key range). An item handles the
-// group * nq query rows of its kv head together, walking its key range in tiles of kTile keys
-// (aligned to multiples of kTile, a tile may span several cache blocks): the tile's K and V rows
-// are converted to f32 once (f16/bf16 caches; f32 rows are read in place) and shared by all
-// rows; each row keeps an online softmax (running max m, sum l, f32 accumulator) over the keys
-// it can see in the tile, so masked keys cost nothing. When the items are few compared to the
-// threads (small decode batches), query blocks shrink and then an item's key range is split
-// (flash-decoding): each part leaves (m, l, acc) per row and a second pass merges them.
+// Work items are (sequence, block of queries, range of kv heads, key range). An item walks its
+// key range in tiles of kTile keys (aligned to multiples of kTile; a tile may span several cache
+// blocks). For each kv head, the tile's K and V rows are converted to f32 once (f16/bf16 caches;
+// f32 rows are read in place) and shared by the head's group * nq query rows, four query heads
+// at a time where the group allows (each loaded K/V vector feeds four rows). Each row keeps an
+// online softmax (running max m, sum l, f32 accumulator) over the keys it can see in the tile, so
+// masked keys cost nothing. The next tile's rows are prefetched while the current one is
+// computed, key by key over all the item's heads (contiguous in the cache), which is what makes
+// decode run near memory speed. When the items are few compared to the threads (small decode
+// batches, short prefills), query blocks shrink, long key ranges are split (flash-decoding: each
+// part leaves (m, l, acc) per row and a second pass merges them), and heads are divided.
 #include "ops/paged_attention.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -28,18 +33,19 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
+#ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
+#endif
 
 #if defined(_MSC_VER) && !defined(__clang__)
 #define PA_INLINE __forceinline
 #define PA_PREFETCH(p) ((void)(p))
-#define PA_SIMD_SUM(x) __pragma(omp simd reduction(+ : x))
-#define PA_SIMD_SUM4(a, b, c, d) __pragma(omp simd reduction(+ : a, b, c, d))
+#define PA_SIMD_SUM(...) __pragma(omp simd reduction(+ : __VA_ARGS__))
 #else
 #define PA_INLINE inline __attribute__((always_inline))
 #define PA_PREFETCH(p) __builtin_prefetch(p)
-#define PA_PRAGMA(x) _Pragma(#x)
-#define PA_SIMD_SUM(x) PA_PRAGMA(omp simd reduction(+ : x))
-#define PA_SIMD_SUM4(a, b, c, d) PA_PRAGMA(omp simd reduction(+ : a, b, c, d))
+#define PA_PRAGMA(...) _Pragma(#__VA_ARGS__)
+#define PA_SIMD_SUM(...) PA_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
 #endif
 
 namespace tallow::ops {
@@ -47,7 +53,7 @@ namespace tallow::ops {
 namespace {
 
 constexpr int64_t kTile = 64;         // keys per tile
-constexpr int64_t kTargetRows = 64;   // query rows (heads x queries) per work item, at most
+constexpr int64_t kTargetRows = 64;   // query rows (query heads x queries) per kv head and item
 constexpr int64_t kMaxQueryBlock = 32;
 constexpr int64_t kMinSplitKeys = 256;  // fewest keys per part of a split key range
 
@@ -94,8 +100,13 @@ void check_cache(const char* op, const Tensor& t, const char* name) {
 // ---- reshape_and_cache --------------------------------------------------------------------------
 
 template <class S, class D>
-TALLOW_SIMD_CLONES void write_rows(const Tensor& src, const Tensor& cache, const std::vector<int64_t>& slots,
-                                   int64_t bs) {
+TALLOW_SIMD_CLONES void convert_row(const S* TALLOW_RESTRICT a, D* TALLOW_RESTRICT o, int64_t n) {
+  TALLOW_PRAGMA_SIMD
+  for (int64_t d = 0; d < n; ++d) o[d] = from_f32<D>(to_f32(a[d]));
+}
+
+template <class S, class D>
+void write_rows(const Tensor& src, const Tensor& cache, const std::vector<int64_t>& slots, int64_t bs) {
   const int64_t T = src.size(0), H = src.size(1), n = src.size(2);
   const int64_t sst = src.stride(0), ssh = src.stride(1);
   const CacheView c = cache_view(cache);
@@ -104,11 +115,7 @@ TALLOW_SIMD_CLONES void write_rows(const Tensor& src, const Tensor& cache, const
   parallel_rows(T * H, n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t t = r / H, h = r % H, s = slots[(size_t)t];
-      if (s < 0) continue;
-      const S* TALLOW_RESTRICT a = sbase + t * sst + h * ssh;
-      D* TALLOW_RESTRICT o = cbase + (s / bs) * c.sb + (s % bs) * c.sr + h * c.sh;
-      TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < n; ++d) o[d] = from_f32<D>(to_f32(a[d]));
+      if (s >= 0) convert_row<S, D>(sbase + t * sst + h * ssh, cbase + (s / bs) * c.sb + (s % bs) * c.sr + h * c.sh, n);
     }
   });
 }
@@ -138,15 +145,15 @@ struct Seq {
 };
 
 struct Item {
-  int64_t b, g, i0, i1;  // sequence, kv head, its queries [i0, i1)
-  int64_t j0, j1;        // keys [j0, j1)
+  int64_t b, g0, g1, i0, i1;  // sequence, kv heads [g0, g1), its queries [i0, i1)
+  int64_t j0, j1;             // keys [j0, j1)
   int64_t part;          // -1: writes the output; else the first float of its partial results
   int64_t cost;
 };
 
 // A split item's parts (consecutive in the partial buffer) and where they merge to.
 struct Merge {
-  int64_t b, g, i0, i1, part, nparts;
+  int64_t b, g0, g1, i0, i1, part, nparts;
 };
 
 // Keys visible to the query at position p: [lo, p].
@@ -159,43 +166,13 @@ struct Scratch {
   std::vector<const float*> kp, vp;
 };
 
-// Four dot products of length n, with independent sums to hide FMA latency.
-PA_INLINE void dot4(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRICT k0, const float* TALLOW_RESTRICT k1,
-                    const float* TALLOW_RESTRICT k2, const float* TALLOW_RESTRICT k3, int64_t n, float* s) {
-  float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-  PA_SIMD_SUM4(d0, d1, d2, d3)
-  for (int64_t d = 0; d < n; ++d) {
-    d0 += q[d] * k0[d];
-    d1 += q[d] * k1[d];
-    d2 += q[d] * k2[d];
-    d3 += q[d] * k3[d];
-  }
-  s[0] = d0, s[1] = d1, s[2] = d2, s[3] = d3;
-}
-
-PA_INLINE float dot1(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRICT k0, int64_t n) {
-  float d0 = 0.0f;
-  PA_SIMD_SUM(d0)
-  for (int64_t d = 0; d < n; ++d) d0 += q[d] * k0[d];
-  return d0;
-}
-
 // Rows of one tile as f32 pointers: f32 cache rows in place, other dtypes converted into `buf`.
-// Also prefetches the rows of the next tile (keys below `end`): one head's consecutive rows are
-// Hk * D elements apart, too far apart for the hardware prefetcher to follow.
 template <class C>
 PA_INLINE void gather_rows(const Problem& P, const CacheView& c, int64_t n, int64_t b, int64_t g, int64_t t0,
-                           int64_t t1, int64_t end, std::vector<float>& buf, std::vector<const float*>& ptrs) {
+                           int64_t t1, std::vector<float>& buf, std::vector<const float*>& ptrs) {
   const C* base = static_cast<const C*>(c.base) + g * c.sh;
-  const int64_t row_bytes = n * (int64_t)sizeof(C);
   for (int64_t j = t0; j < t1; ++j) {
-    if (j + kTile < end) {
-      const int64_t jn = j + kTile;
-      const char* next = reinterpret_cast<const char*>(base + P.table(b, jn / P.BS) * c.sb + (jn % P.BS) * c.sr);
-      for (int64_t o = 0; o < row_bytes; o += 64) PA_PREFETCH(next + o);
-    }
-    const int64_t blk = P.table(b, j / P.BS);
-    const C* src = base + blk * c.sb + (j % P.BS) * c.sr;
+    const C* src = base + P.table(b, j / P.BS) * c.sb + (j % P.BS) * c.sr;
     if constexpr (std::is_same_v<C, float>) {
       ptrs[(size_t)(j - t0)] = src;
     } else {
@@ -208,17 +185,222 @@ PA_INLINE void gather_rows(const Problem& P, const CacheView& c, int64_t n, int6
   }
 }
 
-// One work item: query rows r = (i - i0) * group + hh for queries i in [i0, i1) and the group's
-// heads hh, over keys [j0, j1) (clipped per row to what the row can see).
+// Software prefetch of the next tile's K and V rows of an item's kv heads, key by key (the
+// heads of one key are contiguous in the cache), issued one (key, head) row at a time while the
+// current tile is computed. One head's consecutive keys are Hk * D elements apart, too far for
+// the hardware prefetcher; and a burst of a whole tile's prefetches would stall until most lines
+// arrived, with no work left to overlap.
+struct Prefetcher {
+  const char* k[kTile];  // head g0's row of each key of the next tile
+  const char* v[kTile];
+  int64_t kbytes = 0, vbytes = 0, khead = 0, vhead = 0;  // bytes of a row; bytes between heads
+  int64_t nh = 0, total = 0, next = 0, j = 0, h = 0;
+
+  template <class C>
+  PA_INLINE void start(const Problem& P, int64_t b, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
+    const C* kb = static_cast<const C*>(P.k.base) + g0 * P.k.sh;
+    const C* vb = static_cast<const C*>(P.v.base) + g0 * P.v.sh;
+    kbytes = P.D * (int64_t)sizeof(C);
+    vbytes = P.Dv * (int64_t)sizeof(C);
+    khead = P.k.sh * (int64_t)sizeof(C);
+    vhead = P.v.sh * (int64_t)sizeof(C);
+    const int64_t n = std::max<int64_t>(t1 - t0, 0);
+    nh = g1 - g0;
+    total = n * nh;
+    next = j = h = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t blk = P.table(b, (t0 + i) / P.BS), row = (t0 + i) % P.BS;
+      k[i] = reinterpret_cast<const char*>(kb + blk * P.k.sb + row * P.k.sr);
+      v[i] = reinterpret_cast<const char*>(vb + blk * P.v.sb + row * P.v.sr);
+    }
+  }
+  PA_INLINE void step(int64_t rows) {
+    for (const int64_t end = std::min(total, next + rows); next < end; ++next) {
+      const char* kr = k[j] + h * khead;
+      const char* vr = v[j] + h * vhead;
+      for (int64_t o = 0; o < kbytes; o += 64) PA_PREFETCH(kr + o);
+      for (int64_t o = 0; o < vbytes; o += 64) PA_PREFETCH(vr + o);
+      if (++h == nh) h = 0, ++j;
+    }
+  }
+  PA_INLINE void finish() { step(total); }
+};
+
+// Dot products of query rows with key rows (length n), several at once: independent sums hide
+// the FMA latency and each loaded q or k vector feeds more than one sum.
+PA_INLINE void dot_1x4(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRICT k0, const float* TALLOW_RESTRICT k1,
+                       const float* TALLOW_RESTRICT k2, const float* TALLOW_RESTRICT k3, int64_t n, float* s) {
+  float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+  PA_SIMD_SUM(d0, d1, d2, d3)
+  for (int64_t d = 0; d < n; ++d) {
+    d0 += q[d] * k0[d];
+    d1 += q[d] * k1[d];
+    d2 += q[d] * k2[d];
+    d3 += q[d] * k3[d];
+  }
+  s[0] = d0, s[1] = d1, s[2] = d2, s[3] = d3;
+}
+
+PA_INLINE float dot_1x1(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRICT k0, int64_t n) {
+  float d0 = 0.0f;
+  PA_SIMD_SUM(d0)
+  for (int64_t d = 0; d < n; ++d) d0 += q[d] * k0[d];
+  return d0;
+}
+
+// Four query rows (q, q + n, q + 2n, q + 3n) against two keys: s[r * ss + 0..1].
+PA_INLINE void dot_4x2(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRICT k0, const float* TALLOW_RESTRICT k1,
+                       int64_t n, float* s, int64_t ss) {
+  const float *q0 = q, *q1 = q + n, *q2 = q + 2 * n, *q3 = q + 3 * n;
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+  PA_SIMD_SUM(a0, a1, a2, a3, b0, b1, b2, b3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = k0[d], y = k1[d];
+    a0 += q0[d] * x;
+    a1 += q1[d] * x;
+    a2 += q2[d] * x;
+    a3 += q3[d] * x;
+    b0 += q0[d] * y;
+    b1 += q1[d] * y;
+    b2 += q2[d] * y;
+    b3 += q3[d] * y;
+  }
+  s[0] = a0, s[1] = b0, s[ss] = a1, s[ss + 1] = b1, s[2 * ss] = a2, s[2 * ss + 1] = b2, s[3 * ss] = a3,
+  s[3 * ss + 1] = b3;
+}
+
+PA_INLINE void dot_4x1(const float* TALLOW_RESTRICT q, const float* TALLOW_RESTRICT k0, int64_t n, float* s,
+                       int64_t ss) {
+  const float *q0 = q, *q1 = q + n, *q2 = q + 2 * n, *q3 = q + 3 * n;
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  PA_SIMD_SUM(a0, a1, a2, a3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = k0[d];
+    a0 += q0[d] * x;
+    a1 += q1[d] * x;
+    a2 += q2[d] * x;
+    a3 += q3[d] * x;
+  }
+  s[0] = a0, s[ss] = a1, s[2 * ss] = a2, s[3 * ss] = a3;
+}
+
+// e^x for the softmax's exponents x <= 0, in f32 arithmetic that vectorises (std::exp does not
+// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial
+// (about 1 ulp), 2^n built in the exponent bits. Below -87.3 (2^-126) the result is 0.
+PA_INLINE float exp_nonpos(float x) {
+  const float xc = x < -87.3f ? -87.3f : x;
+  const float t = xc * 1.44269504f + 12582912.0f;  // 1.5 * 2^23: round(x log2 e) lands in the low bits
+  const float nf = t - 12582912.0f;
+  const float r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t ti;
+  std::memcpy(&ti, &t, 4);
+  const int32_t bits = (ti - 0x4b400000 + 127) * (1 << 23);  // 2^n, n = ti - bits(1.5 * 2^23)
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.3f ? 0.0f : p * scale;
+}
+
+// Online softmax step of one row over the scores w[0..n) of a tile: soft-caps them, updates the
+// running max m and sum l, rescales the accumulator when m grows, and turns w into the weights
+// exp(w - m) for the tile's V rows.
+PA_INLINE void softmax_step(float* TALLOW_RESTRICT w, int64_t n, float softcap, float& m, float& l,
+                            float* TALLOW_RESTRICT acc, int64_t Dv) {
+  if (softcap > 0.0f) {
+    const float inv = 1.0f / softcap;
+    for (int64_t j = 0; j < n; ++j) w[j] = softcap * std::tanh(w[j] * inv);
+  }
+  float mt = w[0];
+  for (int64_t j = 1; j < n; ++j) mt = mt < w[j] ? w[j] : mt;
+  const float mnew = std::max(m, mt);
+  if (mnew > m && l > 0.0f) {
+    const float alpha = std::exp(m - mnew);
+    l *= alpha;
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
+  }
+  m = mnew;
+  float lt = 0.0f;
+  PA_SIMD_SUM(lt)
+  for (int64_t j = 0; j < n; ++j) {
+    w[j] = exp_nonpos(w[j] - mnew);
+    lt += w[j];
+  }
+  l += lt;
+}
+
+// acc += sum_j w[j] v_j for one row, four keys per pass over acc.
+PA_INLINE void pv_1(const float* TALLOW_RESTRICT w, const float* const* vp, int64_t n, float* TALLOW_RESTRICT acc,
+                    int64_t Dv, Prefetcher& pf) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    pf.step(2);
+    const float *TALLOW_RESTRICT v0 = vp[j], *TALLOW_RESTRICT v1 = vp[j + 1], *TALLOW_RESTRICT v2 = vp[j + 2],
+                *TALLOW_RESTRICT v3 = vp[j + 3];
+    const float w0 = w[j], w1 = w[j + 1], w2 = w[j + 2], w3 = w[j + 3];
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) acc[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+  }
+  for (; j < n; ++j) {
+    const float* TALLOW_RESTRICT v0 = vp[j];
+    const float w0 = w[j];
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) acc[d] += w0 * v0[d];
+  }
+}
+
+// The same for four rows (weights w + r * ws, accumulators acc + r * Dv) sharing each V load.
+PA_INLINE void pv_4(const float* TALLOW_RESTRICT w, int64_t ws, const float* const* vp, int64_t n,
+                    float* TALLOW_RESTRICT acc, int64_t Dv, Prefetcher& pf) {
+  float *a0 = acc, *a1 = acc + Dv, *a2 = acc + 2 * Dv, *a3 = acc + 3 * Dv;
+  const float *w0 = w, *w1 = w + ws, *w2 = w + 2 * ws, *w3 = w + 3 * ws;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    pf.step(1);
+    const float *TALLOW_RESTRICT x = vp[j], *TALLOW_RESTRICT y = vp[j + 1];
+    const float c0 = w0[j], c1 = w1[j], c2 = w2[j], c3 = w3[j];
+    const float e0 = w0[j + 1], e1 = w1[j + 1], e2 = w2[j + 1], e3 = w3[j + 1];
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) {
+      const float xv = x[d], yv = y[d];
+      a0[d] += c0 * xv + e0 * yv;
+      a1[d] += c1 * xv + e1 * yv;
+      a2[d] += c2 * xv + e2 * yv;
+      a3[d] += c3 * xv + e3 * yv;
+    }
+  }
+  for (; j < n; ++j) {
+    const float* TALLOW_RESTRICT x = vp[j];
+    const float c0 = w0[j], c1 = w1[j], c2 = w2[j], c3 = w3[j];
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) {
+      const float xv = x[d];
+      a0[d] += c0 * xv;
+      a1[d] += c1 * xv;
+      a2[d] += c2 * xv;
+      a3[d] += c3 * xv;
+    }
+  }
+}
+
+// One work item: kv heads g in [g0, g1), queries i in [i0, i1), keys [j0, j1) (clipped per
+// query to what it can see). Row r = ((g - g0) * nq + (i - i0)) * G + hh is query head g * G + hh
+// of query i.
 template <class Q, class C>
 TALLOW_SIMD_CLONES void attend_item(const Problem& P, const Seq& s, const Item& it, Scratch& S, float* partial) {
   const int64_t D = P.D, Dv = P.Dv, G = P.group;
-  const int64_t nq = it.i1 - it.i0, R = nq * G;
+  const int64_t nq = it.i1 - it.i0, R = (it.g1 - it.g0) * nq * G;
   S.qf.resize((size_t)(R * D));
   S.m.assign((size_t)R, -std::numeric_limits<float>::infinity());
   S.l.assign((size_t)R, 0.0f);
   S.acc.assign((size_t)(R * Dv), 0.0f);
-  S.sc.resize((size_t)kTile);
+  S.sc.resize((size_t)(4 * kTile));
   S.kp.resize((size_t)kTile);
   S.vp.resize((size_t)kTile);
   if (!std::is_same_v<C, float>) {
@@ -227,73 +409,63 @@ TALLOW_SIMD_CLONES void attend_item(const Problem& P, const Seq& s, const Item& 
   }
   // Query rows in f32, pre-multiplied by the scale.
   const Q* qbase = static_cast<const Q*>(P.q);
-  for (int64_t i = it.i0; i < it.i1; ++i)
-    for (int64_t hh = 0; hh < G; ++hh) {
-      const Q* TALLOW_RESTRICT src = qbase + (s.q0 + i) * P.qst + (it.g * G + hh) * P.qsh;
-      float* TALLOW_RESTRICT dst = S.qf.data() + ((i - it.i0) * G + hh) * D;
-      const float sc = P.scale;
-      TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < D; ++d) dst[d] = sc * to_f32(src[d]);
-    }
+  for (int64_t g = it.g0; g < it.g1; ++g)
+    for (int64_t i = it.i0; i < it.i1; ++i)
+      for (int64_t hh = 0; hh < G; ++hh) {
+        const Q* TALLOW_RESTRICT src = qbase + (s.q0 + i) * P.qst + (g * G + hh) * P.qsh;
+        float* TALLOW_RESTRICT dst = S.qf.data() + (((g - it.g0) * nq + i - it.i0) * G + hh) * D;
+        const float sc = P.scale;
+        TALLOW_PRAGMA_SIMD
+        for (int64_t d = 0; d < D; ++d) dst[d] = sc * to_f32(src[d]);
+      }
 
   float* TALLOW_RESTRICT sc = S.sc.data();
+  Prefetcher pf;
   for (int64_t t0 = it.j0, t1; t0 < it.j1; t0 = t1) {
     t1 = std::min(it.j1, (t0 / kTile + 1) * kTile);
-    gather_rows<C>(P, P.k, D, it.b, it.g, t0, t1, it.j1, S.kf, S.kp);
-    gather_rows<C>(P, P.v, Dv, it.b, it.g, t0, t1, it.j1, S.vf, S.vp);
-    for (int64_t i = it.i0; i < it.i1; ++i) {
-      const int64_t p = s.ctx + i;
-      const int64_t a = std::max(t0, visible_lo(P, p)), e = std::min(t1, p + 1);
-      if (a >= e) continue;
-      const int64_t n = e - a;
-      const float* const* kp = S.kp.data() + (a - t0);  // kp[j]: key a + j's row
-      const float* const* vp = S.vp.data() + (a - t0);
-      for (int64_t hh = 0; hh < G; ++hh) {
-        const int64_t r = (i - it.i0) * G + hh;
-        const float* qv = S.qf.data() + r * D;
-        // Scores of keys a .. e - 1 (sc[j - a]).
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) dot4(qv, kp[j], kp[j + 1], kp[j + 2], kp[j + 3], D, sc + j);
-        for (; j < n; ++j) sc[j] = dot1(qv, kp[j], D);
-        if (P.softcap > 0.0f) {
-          const float cap = P.softcap, inv = 1.0f / P.softcap;
-          for (j = 0; j < n; ++j) sc[j] = cap * std::tanh(sc[j] * inv);
+    pf.start<C>(P, it.b, it.g0, it.g1, t1, std::min(it.j1, t1 + kTile));
+    for (int64_t g = it.g0; g < it.g1; ++g) {
+      gather_rows<C>(P, P.k, D, it.b, g, t0, t1, S.kf, S.kp);
+      gather_rows<C>(P, P.v, Dv, it.b, g, t0, t1, S.vf, S.vp);
+      for (int64_t i = it.i0; i < it.i1; ++i) {
+        const int64_t p = s.ctx + i;
+        const int64_t a = std::max(t0, visible_lo(P, p)), e = std::min(t1, p + 1);
+        if (a >= e) continue;
+        const int64_t n = e - a;
+        const float* const* kp = S.kp.data() + (a - t0);  // kp[j]: key a + j's row
+        const float* const* vp = S.vp.data() + (a - t0);
+        // The query's G heads (rows r0 ..) see the same keys: four rows at a time, then one.
+        const int64_t r0 = ((g - it.g0) * nq + i - it.i0) * G;
+        int64_t hh = 0;
+        for (; hh + 4 <= G; hh += 4) {
+          const int64_t r = r0 + hh;
+          const float* qv = S.qf.data() + r * D;
+          int64_t j = 0;
+          for (; j + 2 <= n; j += 2) {
+            pf.step(1);
+            dot_4x2(qv, kp[j], kp[j + 1], D, sc + j, kTile);
+          }
+          for (; j < n; ++j) dot_4x1(qv, kp[j], D, sc + j, kTile);
+          for (int64_t k = 0; k < 4; ++k)
+            softmax_step(sc + k * kTile, n, P.softcap, S.m[(size_t)(r + k)], S.l[(size_t)(r + k)],
+                         S.acc.data() + (r + k) * Dv, Dv);
+          pv_4(sc, kTile, vp, n, S.acc.data() + r * Dv, Dv, pf);
         }
-        float mt = sc[0];
-        for (j = 1; j < n; ++j) mt = std::max(mt, sc[j]);
-        // Online softmax: rescale what came before when the running max grows.
-        float& m = S.m[(size_t)r];
-        float& l = S.l[(size_t)r];
-        float* TALLOW_RESTRICT av = S.acc.data() + r * Dv;
-        const float mnew = std::max(m, mt);
-        if (mnew > m && l > 0.0f) {
-          const float alpha = std::exp(m - mnew);
-          l *= alpha;
-          TALLOW_PRAGMA_SIMD
-          for (int64_t d = 0; d < Dv; ++d) av[d] *= alpha;
-        }
-        m = mnew;
-        float lt = 0.0f;
-        for (j = 0; j < n; ++j) {
-          sc[j] = std::exp(sc[j] - mnew);
-          lt += sc[j];
-        }
-        l += lt;
-        for (j = 0; j + 4 <= n; j += 4) {
-          const float *TALLOW_RESTRICT v0 = vp[j], *TALLOW_RESTRICT v1 = vp[j + 1], *TALLOW_RESTRICT v2 = vp[j + 2],
-                      *TALLOW_RESTRICT v3 = vp[j + 3];
-          const float w0 = sc[j], w1 = sc[j + 1], w2 = sc[j + 2], w3 = sc[j + 3];
-          TALLOW_PRAGMA_SIMD
-          for (int64_t d = 0; d < Dv; ++d) av[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
-        }
-        for (; j < n; ++j) {
-          const float* TALLOW_RESTRICT v0 = vp[j];
-          const float w0 = sc[j];
-          TALLOW_PRAGMA_SIMD
-          for (int64_t d = 0; d < Dv; ++d) av[d] += w0 * v0[d];
+        for (; hh < G; ++hh) {
+          const int64_t r = r0 + hh;
+          const float* qv = S.qf.data() + r * D;
+          int64_t j = 0;
+          for (; j + 4 <= n; j += 4) {
+            pf.step(2);
+            dot_1x4(qv, kp[j], kp[j + 1], kp[j + 2], kp[j + 3], D, sc + j);
+          }
+          for (; j < n; ++j) sc[j] = dot_1x1(qv, kp[j], D);
+          softmax_step(sc, n, P.softcap, S.m[(size_t)r], S.l[(size_t)r], S.acc.data() + r * Dv, Dv);
+          pv_1(sc, vp, n, S.acc.data() + r * Dv, Dv, pf);
         }
       }
     }
+    pf.finish();
   }
 
   if (it.part >= 0) {  // one part of a split key range: leave (m, l, acc) per row for the merge
@@ -306,21 +478,20 @@ TALLOW_SIMD_CLONES void attend_item(const Problem& P, const Seq& s, const Item& 
     return;
   }
   Q* obase = static_cast<Q*>(P.out);
-  for (int64_t i = it.i0; i < it.i1; ++i)
-    for (int64_t hh = 0; hh < G; ++hh) {
-      const int64_t r = (i - it.i0) * G + hh;
-      const float l = S.l[(size_t)r], inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const float* TALLOW_RESTRICT av = S.acc.data() + r * Dv;
-      Q* TALLOW_RESTRICT o = obase + ((s.q0 + i) * P.Hq + it.g * G + hh) * Dv;
-      TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < Dv; ++d) o[d] = from_f32<Q>(av[d] * inv);
-    }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t hh = r % G, i = it.i0 + (r / G) % nq, g = it.g0 + r / (G * nq);
+    const float l = S.l[(size_t)r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float* TALLOW_RESTRICT av = S.acc.data() + r * Dv;
+    Q* TALLOW_RESTRICT o = obase + ((s.q0 + i) * P.Hq + g * G + hh) * Dv;
+    TALLOW_PRAGMA_SIMD
+    for (int64_t d = 0; d < Dv; ++d) o[d] = from_f32<Q>(av[d] * inv);
+  }
 }
 
 // Merges the parts of a split key range: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
 template <class Q>
 void merge_parts(const Problem& P, const Seq& s, const Merge& mg, const float* partial, std::vector<float>& acc) {
-  const int64_t G = P.group, Dv = P.Dv, R = (mg.i1 - mg.i0) * G, stride = R * (2 + Dv);
+  const int64_t G = P.group, Dv = P.Dv, nq = mg.i1 - mg.i0, R = (mg.g1 - mg.g0) * nq * G, stride = R * (2 + Dv);
   acc.resize((size_t)Dv);
   Q* obase = static_cast<Q*>(P.out);
   for (int64_t r = 0; r < R; ++r) {
@@ -338,31 +509,44 @@ void merge_parts(const Problem& P, const Seq& s, const Merge& mg, const float* p
       }
     }
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    const int64_t i = mg.i0 + r / G, h = mg.g * G + r % G;
+    const int64_t i = mg.i0 + (r / G) % nq, h = (mg.g0 + r / (G * nq)) * G + r % G;
     Q* o = obase + ((s.q0 + i) * P.Hq + h) * Dv;
     for (int64_t d = 0; d < Dv; ++d) o[d] = from_f32<Q>(acc[(size_t)d] * inv);
   }
 }
 
-// The work list: query blocks sized for ~kTargetRows rows, shrunk and then split over keys
-// while there are fewer items than twice the threads.
+// The work list. An item takes all kv heads of a block of queries (~kTargetRows rows per kv
+// head), so the cache is read a whole token row (all heads) at a time. While there are fewer
+// than about twice as many items as threads, query blocks shrink, then long key ranges are split
+// (at least kMinSplitKeys keys a part), then the heads are divided between items.
 void plan(const Problem& P, const std::vector<Seq>& seqs, int threads, std::vector<Item>& items,
           std::vector<Merge>& merges, int64_t& partial_floats) {
-  const int64_t target = 2 * (int64_t)threads;
+  const int64_t target = threads > 1 ? 2 * (int64_t)threads : 1;
   int64_t qb = std::clamp<int64_t>(kTargetRows / P.group, 1, kMaxQueryBlock);
-  auto count = [&](int64_t qb_) {
+  int64_t hg = P.Hk;  // kv heads per item
+  // Items for query block qb_ and hg_ heads per item, with and without splitting keys by `factor`.
+  auto count = [&](int64_t qb_, int64_t hg_, int64_t factor) {
     int64_t c = 0;
-    for (const Seq& s : seqs) c += P.Hk * ((s.n + qb_ - 1) / qb_);
+    for (const Seq& s : seqs)
+      for (int64_t i0 = 0; i0 < s.n; i0 += qb_) {
+        const int64_t len = s.ctx + std::min(s.n, i0 + qb_) - visible_lo(P, s.ctx + i0);
+        c += ((P.Hk + hg_ - 1) / hg_) * std::clamp<int64_t>(len / kMinSplitKeys, 1, factor);
+      }
     return c;
   };
-  int64_t nitems = count(qb);
+  int64_t nitems = count(qb, hg, 1);
   while (nitems < target && qb > 1) {
-    const int64_t smaller = count(qb / 2);
+    const int64_t smaller = count(qb / 2, hg, 1);
     if (smaller == nitems) break;  // only single-query (decode) sequences: blocks do not matter
     qb /= 2;
     nitems = smaller;
   }
-  const int64_t factor = nitems > 0 && nitems < target && threads > 1 ? (target + nitems - 1) / nitems : 1;
+  auto split_factor = [&] { return nitems < target ? (target + nitems - 1) / nitems : 1; };
+  while (hg > 1 && count(qb, hg, split_factor()) < target) {
+    hg = (hg + 1) / 2;
+    nitems = count(qb, hg, 1);
+  }
+  const int64_t factor = split_factor();
   items.clear();
   merges.clear();
   partial_floats = 0;
@@ -371,19 +555,20 @@ void plan(const Problem& P, const std::vector<Seq>& seqs, int threads, std::vect
     for (int64_t i0 = 0; i0 < s.n; i0 += qb) {
       const int64_t i1 = std::min(s.n, i0 + qb);
       const int64_t j0 = visible_lo(P, s.ctx + i0), j1 = s.ctx + i1;  // keys any of the block's queries sees
-      const int64_t rows = (i1 - i0) * P.group, len = j1 - j0;
+      const int64_t len = j1 - j0;
       const int64_t nsplit = std::clamp<int64_t>(len / kMinSplitKeys, 1, factor);
-      for (int64_t g = 0; g < P.Hk; ++g) {
+      for (int64_t g0 = 0; g0 < P.Hk; g0 += hg) {
+        const int64_t g1 = std::min(P.Hk, g0 + hg), rows = (g1 - g0) * (i1 - i0) * P.group;
         if (nsplit == 1) {
-          items.push_back({b, g, i0, i1, j0, j1, -1, rows * len});
+          items.push_back({b, g0, g1, i0, i1, j0, j1, -1, rows * len});
           continue;
         }
-        merges.push_back({b, g, i0, i1, partial_floats, nsplit});
+        merges.push_back({b, g0, g1, i0, i1, partial_floats, nsplit});
         int64_t lo = j0;
         for (int64_t k = 1; k <= nsplit; ++k) {
           int64_t hi = k == nsplit ? j1 : j0 + len * k / nsplit;
           hi = std::min(j1, (hi + kTile - 1) / kTile * kTile);  // parts end on tile boundaries
-          items.push_back({b, g, i0, i1, lo, hi, partial_floats, rows * (hi - lo)});
+          items.push_back({b, g0, g1, i0, i1, lo, hi, partial_floats, rows * (hi - lo)});
           partial_floats += rows * (2 + P.Dv);
           lo = hi;
         }
@@ -446,6 +631,9 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
   TALLOW_CHECK(slot_mapping.size(0) == T, op, ": slot_mapping", shape_str(slot_mapping.shape()), " must have one slot per token of k",
                shape_str(k.shape()));
   for (const Tensor* t : {&v, &k_cache, &v_cache, &slot_mapping}) check_same_device(op, k, *t);
+#ifdef TALLOW_WITH_CUDA
+  if (k.device().type == DeviceType::CUDA) return cuda::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping);
+#endif
   if (!k.device().is_cpu()) unsupported_device(op, k);
 
   const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
@@ -497,6 +685,9 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
                ": block_tables must be [B, max_blocks], seq_lens [B] and query_start_loc [B + 1]; got block_tables",
                shape_str(block_tables.shape()), " seq_lens", shape_str(seq_lens.shape()), " query_start_loc",
                shape_str(query_start_loc.shape()));
+#ifdef TALLOW_WITH_CUDA
+  if (q_in.device().type == DeviceType::CUDA) return cuda::paged_attention(q_in, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap, out);
+#endif
   if (!q_in.device().is_cpu()) unsupported_device(op, q_in);
 
   // Sequences, validated in full (every block id a sequence reads) before any work.

@@ -23,7 +23,8 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
 // e.g. by reshape_and_cache). One code path for decode, prefill, prefill over a cached prefix
 // and chunked prefill, mixed in one batch.
 //   q               [T, Hq, D] float; Hq % Hk == 0 (GQA/MQA)
-//   block_tables    i32/i64 [B, max_blocks]: block ids of each sequence
+//   block_tables    i32/i64 [B, max_blocks]: block ids of each sequence. Entries past a sequence's
+//                   blocks, and blocks wholly before its sliding window, are neither read nor checked.
 //   seq_lens        i32/i64 [B]: tokens of sequence b including its new ones (<= max_blocks * block_size)
 //   query_start_loc i32/i64 [B + 1]: sequence b's queries are rows query_start_loc[b] ..
 //                   query_start_loc[b + 1] of q (non-decreasing, from 0 to T). They are its last
@@ -34,10 +35,11 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
 // Output [T, Hq, Dv] in q's dtype (written into `out` when given). k_cache and v_cache share a
 // dtype, which may differ from q's.
 //
-// Work is split over (sequence, kv head, block of queries): the query heads of one kv head are
-// processed together so each K/V row is read once per group. When that gives fewer work items than
-// about twice the thread count, query blocks shrink and then long KV ranges are split across
-// threads (flash-decoding) and merged; only then can the last bits depend on the thread count.
+// Work is split over (sequence, block of queries, kv heads): the query heads of a kv head are
+// processed together, so each K/V row is read once per group, and an item reads whole token rows
+// (all kv heads) of the cache. When that gives fewer work items than about twice the thread count,
+// query blocks shrink, long key ranges are split across threads (flash-decoding) and merged, and
+// heads are divided; only with a split key range can the last bits depend on the thread count.
 Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale,
                        int64_t sliding_window = 0, float softcap = 0.0f, const std::optional<Tensor>& out = {});

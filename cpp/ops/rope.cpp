@@ -18,6 +18,9 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
+#ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
+#endif
 
 namespace tallow::ops {
 
@@ -89,6 +92,9 @@ void rotary_embedding(const Tensor& positions, Tensor& q, std::optional<Tensor> 
                " and strides ", shape_str(cos_sin_cache.strides()), " needs a contiguous last dim");
   check_same_device(op, q, positions);
   check_same_device(op, q, cos_sin_cache);
+#ifdef TALLOW_WITH_CUDA
+  if (q.device().type == DeviceType::CUDA) return cuda::rotary_embedding(positions, q, k, cos_sin_cache, neox);
+#endif
   if (!q.device().is_cpu()) unsupported_device(op, q);
 
   // Positions as i64, all validated before any write.

@@ -15,6 +15,9 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
+#ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
+#endif
 
 // `omp simd` with a max and a sum reduction (simd.h has the plain form only).
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -100,6 +103,9 @@ Tensor argmax(const Tensor& x) {
   Shape oshape(x.shape().begin(), x.shape().end() - 1);
   TALLOW_CHECK(n > 0 || shape_numel(oshape) == 0, op, ": last dimension of x", shape_str(x.shape()),
                " is empty (no maximum)");
+#ifdef TALLOW_WITH_CUDA
+  if (x.device().type == DeviceType::CUDA) return cuda::argmax(x);
+#endif
   if (!x.device().is_cpu()) unsupported_device(op, x);
   Tensor out = Tensor::empty(oshape, DType::I64, x.device());
   int64_t* o = out.data<int64_t>();
@@ -117,6 +123,9 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   check_input(op, x);
   const int64_t n = x.size(-1);
   TALLOW_CHECK(k >= 0 && k <= n, op, ": k = ", k, " must be in [0, ", n, "] for x of shape ", shape_str(x.shape()));
+#ifdef TALLOW_WITH_CUDA
+  if (x.device().type == DeviceType::CUDA) return cuda::topk(x, k);
+#endif
   if (!x.device().is_cpu()) unsupported_device(op, x);
   Shape oshape = x.shape();
   oshape.back() = k;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #ifdef TALLOW_WITH_CUDA
+#include "ops_cuda.h"
 #include "runtime.h"
 #endif
 
@@ -69,6 +70,11 @@ void bind_cuda(py::module_& m) {
   }, py::arg("device") = -1);
   c.def("memory_stats", [](int device) { return stats_dict(memory_stats(device)); }, py::arg("device") = -1);
   c.def("reset_peak_memory_stats", &reset_peak_memory_stats, py::arg("device") = -1);
+  c.def("skinny_max_m", &skinny_max_m, "Rows up to which linear/matmul use tallow's skinny GEMM kernel");
+  c.def("set_skinny_max_m", &set_skinny_max_m, py::arg("m"), "0 sends every product to cuBLASLt");
+  c.def("index_checks", &index_checks);
+  c.def("set_index_checks", &set_index_checks, py::arg("on"),
+        "Validate positions/ids/slots/block ids on the device and raise before returning (default on)");
   c.def("empty_cache", &empty_cache, "Return cached device blocks (not graph pools') to the driver");
 
   py::class_<Stream, std::shared_ptr<Stream>>(c, "Stream", "A CUDA stream (non-blocking)")
@@ -111,8 +117,8 @@ void bind_cuda(py::module_& m) {
            },
            py::arg("stream"), py::arg("pool") = nullptr)
       .def("capture_end", &Graph::capture_end)
-      .def("replay", [](Graph& g, const py::object& s) { g.replay(s.is_none() ? nullptr : handle_of(s)); },
-           py::arg("stream") = py::none())
+      .def("replay", [](Graph& g, const py::object& s) { g.replay(handle_of(s)); }, py::arg("stream") = py::none(),
+           "Launch the captured work on `stream` (default: the current stream)")
       .def("reset", &Graph::reset)
       .def("pool", &Graph::pool)
       .def_property_readonly("captured", &Graph::captured)

@@ -99,6 +99,17 @@ def empty_cache() -> None:
     _c.empty_cache()
 
 
+def set_index_checks(on: bool) -> None:
+    """Turn the device-side validation of rotary positions, embedding ids and paged-KV slots/block ids
+    on (default) or off. On, each such op reads a flag back (a wait on the stream) to raise
+    IndexError/ValueError like the CPU ops; an engine that builds those indices itself can skip it."""
+    _c.set_index_checks(bool(on))
+
+
+def index_checks() -> bool:
+    return bool(_c.index_checks())
+
+
 # ---- streams and events -----------------------------------------------------------------------
 if built:
     Stream = _c.Stream
@@ -186,6 +197,6 @@ class graph:
 __all__ = [
     "built", "is_available", "device_count", "current_device", "set_device", "mem_get_info", "synchronize",
     "get_device_properties", "get_device_name", "memory_stats", "memory_allocated", "max_memory_allocated",
-    "memory_reserved", "reset_peak_memory_stats", "empty_cache", "Stream", "Event", "CUDAGraph", "GraphPool",
+    "memory_reserved", "reset_peak_memory_stats", "empty_cache", "set_index_checks", "index_checks", "Stream", "Event", "CUDAGraph", "GraphPool",
     "current_stream", "default_stream", "set_stream", "stream", "graph_pool_handle", "graph",
 ]

@@ -19,16 +19,22 @@ class LLM:
             model = None
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     # -- generation ------------------------------------------------------------------------------
     def _normalise(self, prompts) -> list[PromptType]:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]
-        return list(prompts)
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+                return [list(prompts)]  # one prompt of token ids
+            return list(prompts)
+        return [prompts]  # a string, a dict, or something the engine rejects with a clear message
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -37,6 +43,9 @@ class LLM:
         prompts = self._normalise(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling params must be a SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -119,16 +119,19 @@ def test_q_and_cache_dtypes_differ(rng, q_dtype, cache_dtype):
 
 
 @pytest.mark.parametrize("nthreads", [1, 2, 3, 8, 32])
-@pytest.mark.parametrize("seqs", [
-    pytest.param([(2000, 1)], id="one-long-decode"),
-    pytest.param([(700, 1), (1100, 1)], id="two-decodes"),
-    pytest.param([(900, 40)], id="chunk-over-long-prefix"),
-    pytest.param(MIXED, id="mixed"),
+@pytest.mark.parametrize("seqs,hq,hk", [
+    pytest.param([(2000, 1)], 8, 4, id="one-long-decode-gqa"),  # keys split, then heads divided
+    pytest.param([(1500, 1)], 4, 1, id="one-long-decode-mqa"),
+    pytest.param([(700, 1), (1100, 1)], 8, 2, id="two-decodes"),
+    pytest.param([(900, 40)], 8, 4, id="chunk-over-long-prefix"),
+    pytest.param([(100, 1), (50, 1), (300, 2)], 8, 4, id="short-decodes"),  # heads divided
+    pytest.param(MIXED, 4, 1, id="mixed"),
 ])
-def test_thread_counts_and_split_keys(rng, threads, nthreads, seqs):
-    """Few (sequence, kv head) items against many threads split the key range (flash-decoding)
-    and merge the parts; any thread count gives the reference within the f32 bound."""
-    inp = make_batch(rng, seqs, 4, 1, 128, 32, qmul=2.0)
+def test_thread_counts_and_work_splits(rng, threads, nthreads, seqs, hq, hk):
+    """Few items against many threads: query blocks shrink, long key ranges are split
+    (flash-decoding, parts merged after), kv heads are divided between items. Any thread count
+    gives the reference within the f32 bound, and the single-thread result within f32 rounding."""
+    inp = make_batch(rng, seqs, hq, hk, 128, 32, qmul=2.0)
     tl, ref = as_tensors(inp, "float32")
     tallow.set_num_threads(nthreads)
     out = to_np(run_paged(tl, 128**-0.5))

@@ -7,10 +7,13 @@ import argparse
 from tallow.engine.args import EngineArgs
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """positional_model=False leaves the positional arguments to the command (`tallow generate`
+    takes prompts there); the model is then given with --m / --w / --f."""
     g = p.add_argument_group("model")
-    g.add_argument("model_pos", nargs="?", metavar="MODEL",
-                   help="hub id (org/name), local folder or .gguf file (same as --m)")
+    if positional_model:
+        g.add_argument("model_pos", nargs="?", metavar="MODEL",
+                       help="hub id (org/name), local folder or .gguf file (same as --m)")
     g.add_argument("--m", "--model", dest="model", help="Hugging Face hub id (org/name) or local path")
     g.add_argument("--w", "--weights", dest="weights_dir", help="local folder with config.json and safetensors")
     g.add_argument("--f", "--gguf", dest="gguf_file",
@@ -53,9 +56,10 @@ class FlagError(ValueError):
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    model = ns.model or ns.model_pos
-    if ns.model and ns.model_pos:
-        raise FlagError(f"give the model once (got {ns.model_pos!r} and --m {ns.model!r})")
+    model_pos = getattr(ns, "model_pos", None)
+    model = ns.model or model_pos
+    if ns.model and model_pos:
+        raise FlagError(f"give the model once (got {model_pos!r} and --m {ns.model!r})")
     gguf = ns.gguf_file
     if model and model.endswith(".gguf") and not gguf:
         model, gguf = None, model

@@ -63,6 +63,12 @@ class LLMEngine:
         from tallow.tokenizer import Tokenizer
 
         self.args = args
+        try:  # server-wide sampling defaults must be valid request values
+            SamplingParams(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                           max_tokens=args.max_gen_tokens)
+        except ValueError as e:
+            raise ValueError(str(e).replace("invalid sampling parameter", "invalid engine argument (sampling default)")
+                             .replace("max_tokens", "max_gen_tokens")) from None
         if args.num_threads:
             tallow.set_num_threads(args.num_threads)
         if args.device != "cpu":
@@ -119,6 +125,7 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(args.seed)
         self.stats = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "steps": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
 
@@ -132,27 +139,34 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+                return self._prompt_ids(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
             return None, [int(t) for t in prompt]
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: pass a string, a list of token ids "
                          "or {'prompt_token_ids': [...]}")
 
     def _apply_defaults(self, params: SamplingParams) -> SamplingParams:
+        """Server-wide defaults (EngineArgs) fill what the request left unset; a value the request
+        sets, even 0, wins. A default seed seeds a generator of per-request seeds: a run is
+        reproducible, yet two unseeded requests do not sample the same stream."""
         a = self.args
         changes = {}
-        if a.frequency_penalty is not None and params.frequency_penalty == 0.0:
-            changes["frequency_penalty"] = a.frequency_penalty
-        if a.presence_penalty is not None and params.presence_penalty == 0.0:
-            changes["presence_penalty"] = a.presence_penalty
+        unset = params.unset_fields
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(a, name) is not None and name in unset:
+                changes[name] = getattr(a, name)
         if params.seed is None and a.seed is not None:
-            changes["seed"] = a.seed
+            changes["seed"] = int(self._seed_rng.integers(2**62))
         return params.clone(**changes) if changes else params
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -160,28 +174,34 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError before anything is scheduled."""
         from tallow.tokenizer import IncrementalDetokenizer
 
-        params = self._apply_defaults(params or SamplingParams())
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range: this model's vocabulary has ids 0..{vocab - 1}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context (max_model_len) is "
                              f"{self.max_model_len}, which must also leave room for at least one generated token")
         if params.max_tokens is None and self.args.max_gen_tokens:
             params = params.clone(max_tokens=self.args.max_gen_tokens)
         request_id = request_id or str(next(self._ids))
-        if request_id in self.groups:
+        rids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        if request_id in self.groups or any(r in self._seq_of or r in self.scheduler.requests for r in rids):
             raise ValueError(f"request id {request_id!r} is already in use")
+        params = self._apply_defaults(params)
         group = _Group(request_id, text, ids, params)
         max_stop = max((len(s) for s in params.stop), default=0)
         parent = None
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            rid = request_id if i == 0 else f"{request_id}#{i}"
+            rid = rids[i]
             req = Request(rid, ids, p, self.max_model_len, parent=parent)
             parent = parent or req
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, skip_special_tokens=p.skip_special_tokens)
@@ -244,7 +264,7 @@ class LLMEngine:
         req.append_token(token)
         self.stats["generation_tokens"] += 1
         if seq.logprobs is not None:
-            entry = {token: Logprob(res.logprob, decoded_token=self.tokenizer.decode([token], False))}
+            entry = {token: Logprob(res.logprob, rank=res.rank, decoded_token=self.tokenizer.decode([token], False))}
             for rank, (t, lp) in enumerate(res.top_logprobs or [], start=1):
                 entry.setdefault(t, Logprob(lp, rank=rank, decoded_token=self.tokenizer.decode([t], False)))
             seq.logprobs.append(entry)
@@ -253,19 +273,23 @@ class LLMEngine:
         can_stop = req.num_output_tokens >= p.min_tokens
         if can_stop and token in p.stop_token_ids:
             finish, stop_reason = "stop", token
+            if p.include_stop_str_in_output:
+                seq.text += seq.detok.add(token)
         elif can_stop and not p.ignore_eos and token in self.eos_ids:
             finish = "stop"
         else:
-            seq.text += seq.detok.add(token)
-            if can_stop and p.stop:
-                # Search only where a stop string could newly appear.
-                start = max(0, seq.sent_text - seq.max_stop_len)
-                for s in p.stop:
-                    at = seq.text.find(s, start)
-                    if at >= 0:
-                        seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
-                        finish, stop_reason, cut = "stop", s, True
-                        break
+            before = len(seq.text)
+            new = seq.detok.add(token)
+            seq.text += new
+            if can_stop and p.stop and new:
+                # Only where a stop string could newly end: it must take in some of the new text.
+                # Held-back deltas (see _delta_output) guarantee nothing from here on was sent.
+                start = max(0, before - seq.max_stop_len + 1)
+                found = [(at, s) for s in p.stop if (at := seq.text.find(s, start)) >= 0]
+                if found:
+                    at, s = min(found, key=lambda f: (f[0], -len(f[1])))  # the earliest one
+                    seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                    finish, stop_reason, cut = "stop", s, True
         if finish is None and p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
             finish = "length"
         if finish is None and req.num_tokens >= self.max_model_len:
@@ -298,3 +322,77 @@ class LLMEngine:
             self.groups.pop(group.request_id, None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
                              group.seqs[0].req.num_cached_tokens, delta=True)
+
+    # -- embeddings (the server's /v1/embeddings) ------------------------------------------------
+    def embed(self, prompts: list[PromptType], pooling: str = "last", normalize: bool = True
+              ) -> list[tuple[np.ndarray, int]]:
+        """Pooled final hidden states (after the model's final norm) of each prompt, without
+        sampling: "last" is the last token's, "mean" the average over all prompt tokens; L2-normalised
+        when normalize. Returns (float32 vector [hidden_size], number of prompt tokens) per prompt.
+        Each prompt runs as one forward pass over freshly taken KV blocks that go back to the pool
+        at once (they do not join the prefix cache). Call it between steps (AsyncEngine does)."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        if isinstance(prompts, (str, dict)) or (prompts and all(_is_int(t) for t in prompts)):
+            prompts = [prompts]
+        encoded = []
+        for prompt in prompts:  # validate every input before running any
+            _, ids = self._prompt_ids(prompt)
+            if not ids:
+                raise ValueError("the input is empty")
+            bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is out of range: this model's vocabulary has ids "
+                                 f"0..{self.config.vocab_size - 1}")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"the input has {len(ids)} tokens; this model's context (max_model_len) is "
+                                 f"{self.max_model_len}")
+            encoded.append(ids)
+        return [(self._pooled_hidden(ids, pooling, normalize), len(ids)) for ids in encoded]
+
+    def _pooled_hidden(self, ids: list[int], pooling: str, normalize: bool) -> np.ndarray:
+        from tallow.layers.attention import AttentionMetadata
+
+        bs, n, pool, r = self.kv.block_size, len(ids), self.kv.pool, self.runner
+        num_blocks = -(-n // bs)
+        if num_blocks > pool.num_free_blocks:
+            raise KVCacheFullError(f"the KV cache has no room for a {n}-token input right now "
+                                   f"({pool.num_free_blocks} of {pool.num_blocks} blocks free); retry later")
+        blocks = pool.get_new_blocks(num_blocks)
+        try:
+            table = np.asarray([b.block_id for b in blocks], dtype=np.int64)
+            pos = np.arange(n, dtype=np.int64)
+            meta = AttentionMetadata(
+                slot_mapping=r._tensor(table[pos // bs] * bs + pos % bs),
+                block_tables=r._tensor(table.astype(np.int32)[None, :]),
+                seq_lens=r._tensor(np.asarray([n], dtype=np.int32)),
+                query_start_loc=r._tensor(np.asarray([0, n], dtype=np.int32)),
+                num_tokens=n)
+            hidden = self.model.forward(r._tensor(np.asarray(ids, dtype=np.int32)), r._tensor(pos), r.kv_caches, meta)
+            if self.args.device != "cpu":
+                hidden = hidden.to("cpu")
+            h = np.asarray(hidden.to("float32").numpy(), dtype=np.float32)
+        finally:
+            pool.free_blocks(reversed(blocks))
+        vec = h[-1] if pooling == "last" else h.mean(axis=0)
+        if normalize:
+            norm = float(np.linalg.norm(vec))
+            if norm > 0:
+                vec = vec / norm
+        return np.ascontiguousarray(vec, dtype=np.float32)
+
+
+class KVCacheFullError(RuntimeError):
+    """The KV cache cannot take this work right now (a server answers 503: retry later)."""
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+
+
+def _token_ids(ids) -> list[int]:
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+        raise ValueError("'prompt_token_ids' must be a list of integer token ids")
+    return [int(t) for t in ids]

@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Optional
+
+# Fields a server-wide default (EngineArgs) may fill when a request leaves them unset (None).
+DEFAULTABLE = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
+GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule)
 
 
 @dataclasses.dataclass
@@ -13,8 +19,8 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0): off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: Optional[float] = None  # None: the engine's default, else 0
+    presence_penalty: Optional[float] = None
     seed: Optional[int] = None
     max_tokens: Optional[int] = 16  # None: up to the model's context
     min_tokens: int = 0
@@ -27,23 +33,60 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        # which defaultable fields the caller left unset (the engine may fill them from its defaults)
+        self._unset = frozenset(k for k in DEFAULTABLE if getattr(self, k) is None)
+        for k in self._unset:
+            setattr(self, k, DEFAULTABLE[k])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop) if self.stop else []
-        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        elif self.stop is not None:
+            raise ValueError(f"invalid sampling parameter: stop must be a string or a list of strings, "
+                             f"got {type(self.stop).__name__} {self.stop!r}")
+        self.stop = self.stop or []
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        elif self.stop_token_ids is not None:
+            raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list of token ids, "
+                             f"got {type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
+        self.stop_token_ids = self.stop_token_ids or []
         self.validate()
+
+    @property
+    def unset_fields(self) -> frozenset:
+        """Defaultable fields (DEFAULTABLE) the caller did not set."""
+        return getattr(self, "_unset", frozenset())
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(f"invalid sampling parameter: {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(v) -> bool:
+            return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
+
+        def is_real(v) -> bool:
+            return type(v) in (float, int) or (isinstance(v, numbers.Real) and not isinstance(v, bool))
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {v!r}")
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list):
+            bad(f"stop must be a string or a list of strings, got {type(self.stop).__name__} {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            bad(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__} "
+                f"{self.stop_token_ids!r}")
+        if self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             bad(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
@@ -53,28 +96,31 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                bad(f"stop must be a non-empty string or a list of them, got {s!r}")
+                hint = " (token ids go in stop_token_ids)" if isinstance(s, numbers.Integral) else ""
+                bad(f"stop must be a non-empty string or a list of them, got {type(s).__name__} {s!r}{hint}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not is_int(t) or t < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {t!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
+            if v is not None and (not is_int(v) or v < 0 or v > 20):
                 bad(f"{name} must be an integer in [0, 20], got {v!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
 
     def clone(self, **changes) -> "SamplingParams":
-        return dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **changes)
+        new._unset = new._unset | frozenset(k for k in self.unset_fields if k not in changes)
+        return new

@@ -1,13 +1,25 @@
-"""Model definitions, one file per architecture family, looked up by the config's family."""
+"""Model definitions, one file per architecture family, looked up by the config's family.
+
+ModelConfig maps a Hugging Face `architectures[0]` / `model_type` or a GGUF `general.architecture` to a
+family (loader/config.py); this registry maps the family to its class. A family whose file is not
+written yet is simply absent here: `build_model` then lists the supported ones."""
 from __future__ import annotations
+
+import importlib
 
 from tallow.loader.config import ModelConfig
 
-# family -> (module, class). Families of the model zoo arrive with their own files.
-_REGISTRY = {
+# family -> (module, class)
+_REGISTRY: dict[str, tuple[str, str]] = {
     "llama": ("tallow.models.llama", "LlamaForCausalLM"),
-    "mistral": ("tallow.models.llama", "LlamaForCausalLM"),
-    "qwen2": ("tallow.models.llama", "LlamaForCausalLM"),
+    "mistral": ("tallow.models.mistral", "MistralForCausalLM"),
+    "qwen2": ("tallow.models.qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("tallow.models.qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("tallow.models.phi3", "Phi3ForCausalLM"),
+    "gemma2": ("tallow.models.gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("tallow.models.gemma3", "Gemma3ForCausalLM"),
+    "stablelm": ("tallow.models.stablelm", "StableLmForCausalLM"),
+    "glm4": ("tallow.models.glm4", "Glm4ForCausalLM"),
 }
 
 
@@ -15,17 +27,26 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def register(family: str, module: str, cls: str) -> None:
+    """Add (or replace) the class for `family`."""
+    _REGISTRY[family] = (module, cls)
+
+
 def supported_families() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | None = None):
-    entry = _REGISTRY.get(cfg.family)
+def model_class(family: str):
+    entry = _REGISTRY.get(family)
     if entry is None:
+        raise UnsupportedModelError(f"model family {family!r} is not supported by the engine yet; "
+                                    f"supported: {', '.join(supported_families())}")
+    return getattr(importlib.import_module(entry[0]), entry[1])
+
+
+def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | None = None):
+    if cfg.family not in _REGISTRY:
         raise UnsupportedModelError(
             f"model family {cfg.family!r} ({cfg.architecture}) is not supported by the engine yet; "
             f"supported: {', '.join(supported_families())}")
-    import importlib
-
-    cls = getattr(importlib.import_module(entry[0]), entry[1])
-    return cls(cfg, weights, dtype, max_positions)
+    return model_class(cfg.family)(cfg, weights, dtype, max_positions)

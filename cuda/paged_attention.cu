@@ -1,0 +1,205 @@
+// reshape_and_cache and paged_attention on CUDA (contracts in cpp/ops/paged_attention.h).
+// paged_attention: one warp per (query token, query head), an online softmax over the keys the query
+// sees, read through the block table (f32 scores and accumulation). Slots and block ids are checked
+// before any write / read when the stream is not capturing a graph (the check reads back a device
+// flag); under capture, out-of-range slots are skipped and out-of-range blocks contribute nothing.
+#include "attention.cuh"
+#include "launch.cuh"
+#include "ops_cuda.h"
+#include "paged_attention.cuh"
+
+namespace tallow::cuda {
+
+namespace {
+
+IndexArg index_arg(const Tensor& t) {
+  return {t.data_ptr(), t.dtype() == DType::I32, t.dim() > 0 ? t.stride(0) : 0, t.dim() > 1 ? t.stride(1) : 0};
+}
+CacheArg cache_arg(const Tensor& t) { return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
+
+__global__ void check_slots_kernel(IndexArg slots, int64_t T, int64_t nslots, int* flag) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T; i += (int64_t)gridDim.x * blockDim.x)
+    if (slots(i) >= nslots) atomicMax(flag, 1);
+}
+
+template <class S, class C>
+__global__ void write_cache_kernel(const S* __restrict__ src, int64_t st, int64_t sh, IndexArg slots, int64_t T,
+                                   int64_t H, int64_t D, C* __restrict__ cache, CacheArg ca, int64_t bs, int64_t nslots) {
+  const int64_t n = T * H * D;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t d = i % D, h = (i / D) % H, t = i / (D * H);
+    const int64_t slot = slots(t);
+    if (slot < 0 || slot >= nslots) continue;
+    const int64_t blk = slot / bs, row = slot % bs;
+    cache[blk * ca.sb + row * ca.sr + h * ca.sh + d] = from_float<C>(to_float(src[t * st + h * sh + d]));
+  }
+}
+
+// Sequences: every block id a sequence reads must be in range; flag 1 when not.
+__global__ void check_blocks_kernel(IndexArg bt, IndexArg seq_lens, int64_t B, int64_t BS, int64_t NB, int* flag) {
+  const int64_t b = blockIdx.x;
+  if (b >= B) return;
+  const int64_t nblk = (seq_lens(b) + BS - 1) / BS;
+  for (int64_t i = threadIdx.x; i < nblk; i += blockDim.x) {
+    const int64_t id = bt(b, i);
+    if (id < 0 || id >= NB) atomicMax(flag, 1);
+  }
+}
+
+struct PagedProblem {
+  int64_t T, Hq, Hk, D, Dv, B, BS, NB;
+  float scale, softcap;
+  int64_t window;
+  const void* q;
+  int64_t qst, qsh;
+  CacheArg k, v;
+  IndexArg bt, seq_lens, qsl;
+  void* out;  // contiguous [T, Hq, Dv]
+};
+
+template <class Q, class C>
+__global__ void paged_attention_kernel(PagedProblem P) {
+  constexpr int kPer = kAttnMaxHeadDim / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t w = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  if (w >= P.T * P.Hq) return;
+  const int64_t h = w % P.Hq, t = w / P.Hq, kh = h / (P.Hq / P.Hk);
+  // The sequence of token t: the last b with query_start_loc[b] <= t (binary search).
+  int64_t lo_b = 0, hi_b = P.B - 1;
+  while (lo_b < hi_b) {
+    const int64_t mid = (lo_b + hi_b + 1) / 2;
+    if (P.qsl(mid) <= t) lo_b = mid;
+    else hi_b = mid - 1;
+  }
+  const int64_t b = lo_b;
+  const int64_t q0 = P.qsl(b), nq = P.qsl(b + 1) - q0, len = P.seq_lens(b);
+  const int64_t p = len - nq + (t - q0);
+  int64_t lo = 0, hi = p + 1 < len ? p + 1 : len;
+  if (P.window > 0) lo = p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+  if (hi < lo) hi = lo;
+  const Q* q = static_cast<const Q*>(P.q) + t * P.qst + h * P.qsh;
+  float qf[kPer], acc[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t d = lane + 32 * j;
+    qf[j] = d < P.D ? to_float(q[d]) : 0.f;
+    acc[j] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t blk = P.bt(b, j / P.BS), row = j % P.BS;
+    if (blk < 0 || blk >= P.NB) continue;
+    const C* kr = static_cast<const C*>(P.k.base) + blk * P.k.sb + row * P.k.sr + kh * P.k.sh;
+    float s = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < kPer; ++jj) {
+      const int64_t d = lane + 32 * jj;
+      if (d < P.D) s += qf[jj] * to_float(kr[d]);
+    }
+    s = warp_sum(s) * P.scale;
+    if (P.softcap > 0.f) s = P.softcap * tanhf(s / P.softcap);
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new), e = expf(s - m_new);
+    l = l * corr + e;
+    const C* vr = static_cast<const C*>(P.v.base) + blk * P.v.sb + row * P.v.sr + kh * P.v.sh;
+#pragma unroll
+    for (int jj = 0; jj < kPer; ++jj) {
+      const int64_t d = lane + 32 * jj;
+      if (d < P.Dv) acc[jj] = acc[jj] * corr + e * to_float(vr[d]);
+    }
+    m = m_new;
+  }
+  Q* o = static_cast<Q*>(P.out) + (t * P.Hq + h) * P.Dv;
+  const bool any = l > 0.f || l != l;
+#pragma unroll
+  for (int jj = 0; jj < kPer; ++jj) {
+    const int64_t d = lane + 32 * jj;
+    if (d < P.Dv) o[d] = from_float<Q>(any ? acc[jj] / l : 0.f);
+  }
+}
+
+template <class F>
+void dispatch2(const char* op, DType a, DType b, F&& f) {
+  auto inner = [&](auto ta) {
+    switch (b) {
+      case DType::F32: return f(ta, float{});
+      case DType::F16: return f(ta, __half{});
+      case DType::BF16: return f(ta, __nv_bfloat16{});
+      default: throw TypeError(str_cat(op, ": unsupported dtype ", dtype_name(b), " on CUDA"));
+    }
+  };
+  switch (a) {
+    case DType::F32: return inner(float{});
+    case DType::F16: return inner(__half{});
+    case DType::BF16: return inner(__nv_bfloat16{});
+    default: throw TypeError(str_cat(op, ": unsupported dtype ", dtype_name(a), " on CUDA"));
+  }
+}
+
+}  // namespace
+
+void reshape_and_cache(const Tensor& k_in, const Tensor& v_in, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& slot_mapping) {
+  const char* op = "reshape_and_cache";
+  OpContext ctx(k_in);
+  const int64_t T = k_in.size(0), Hk = k_in.size(1), D = k_in.size(2), Dv = v_in.size(2);
+  const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
+  const IndexArg slots = index_arg(slot_mapping);
+  if (T > 0 && index_checks() && !is_capturing(ctx.stream)) {
+    DeviceFlag flag(k_in, ctx.stream);
+    check_slots_kernel<<<grid_for(T, 256), 256, 0, ctx.stream>>>(slots, T, nslots, flag.ptr());
+    TALLOW_CUDA_CHECK_LAUNCH(op);
+    TALLOW_CHECK(flag.read() == 0, op, ": a slot in slot_mapping is out of range for k_cache", shape_str(k_cache.shape()),
+                 " (", nslots, " slots; negative slots are skipped)");
+  }
+  if (T == 0 || Hk == 0) return;
+  const Tensor k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  auto write = [&](const Tensor& src, const Tensor& cache, int64_t d) {
+    if (d == 0) return;
+    dispatch2(op, src.dtype(), cache.dtype(), [&](auto stag, auto ctag) {
+      using S = decltype(stag);
+      using C = decltype(ctag);
+      write_cache_kernel<S, C><<<grid_for(T * Hk * d, 256), 256, 0, ctx.stream>>>(
+          static_cast<const S*>(src.data_ptr()), src.stride(0), src.stride(1), slots, T, Hk, d,
+          static_cast<C*>(cache.data_ptr()), cache_arg(cache), bs, nslots);
+    });
+    TALLOW_CUDA_CHECK_LAUNCH(op);
+  };
+  write(k, k_cache, D);
+  write(v, v_cache, Dv);
+}
+
+Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+                       const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window,
+                       float softcap, const std::optional<Tensor>& out) {
+  const char* op = "paged_attention";
+  const Tensor q = last_dim_contiguous(q_in);
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), Hk = k_cache.size(2), Dv = v_cache.size(3);
+  const int64_t B = seq_lens.size(0);
+  TALLOW_CHECK(D <= kAttnMaxHeadDim && Dv <= kAttnMaxHeadDim, op, ": head dims up to ", kAttnMaxHeadDim,
+               " are supported on CUDA, got q", shape_str(q.shape()), " v_cache", shape_str(v_cache.shape()));
+  Tensor o = make_out(op, out, {T, Hq, Dv}, q.dtype(), q.device());
+  if (o.numel() == 0) return o;
+  OpContext ctx(q);
+  const IndexArg bt = index_arg(block_tables), sl = index_arg(seq_lens), qsl = index_arg(query_start_loc);
+  if (B > 0 && index_checks() && !is_capturing(ctx.stream)) {
+    DeviceFlag flag(q, ctx.stream);
+    check_blocks_kernel<<<(unsigned)B, 128, 0, ctx.stream>>>(bt, sl, B, BS, NB, flag.ptr());
+    TALLOW_CUDA_CHECK_LAUNCH(op);
+    TALLOW_CHECK(flag.read() == 0, op, ": block_tables holds a block id out of range for k_cache",
+                 shape_str(k_cache.shape()), " (", NB, " blocks)");
+  }
+  const PagedProblem P{T, Hq, Hk, D, Dv, B, BS, NB, scale, softcap, sliding_window, q.data_ptr(), q.stride(0),
+                       q.stride(1), cache_arg(k_cache), cache_arg(v_cache), bt, sl, qsl, o.data_ptr()};
+  const unsigned blocks = (unsigned)ceil_div(T * Hq * 32, 128);
+  dispatch2(op, q.dtype(), k_cache.dtype(), [&](auto qtag, auto ctag) {
+    using Q = decltype(qtag);
+    using C = decltype(ctag);
+    paged_attention_kernel<Q, C><<<blocks, 128, 0, ctx.stream>>>(P);
+  });
+  TALLOW_CUDA_CHECK_LAUNCH(op);
+  return o;
+}
+
+}  // namespace tallow::cuda

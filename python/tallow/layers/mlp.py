@@ -1,0 +1,51 @@
+"""Gated MLP: down(act(gate(x)) * up(x)), with gate and up as one fused GEMM ([gate; up] rows)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import tallow
+from tallow import ops
+from tallow.layers.names import require
+from tallow.layers.weights import as_dtype, concat_rows
+
+# Hugging Face hidden_act -> (kernel, approximate)
+_ACTS = {
+    "silu": ("silu", None), "swish": ("silu", None),
+    "gelu_pytorch_tanh": ("gelu", "tanh"), "gelu_tanh": ("gelu", "tanh"), "gelu_new": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"), "gelu": ("gelu", "none"),
+}
+
+
+def supported_activations() -> list[str]:
+    return sorted(_ACTS)
+
+
+class GatedMLP:
+    def __init__(self, gate_up: tallow.Tensor, down: tallow.Tensor, act: str = "silu",
+                 gate_up_bias: Optional[tallow.Tensor] = None, down_bias: Optional[tallow.Tensor] = None):
+        if act not in _ACTS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {', '.join(supported_activations())}")
+        self.kind, self.approximate = _ACTS[act]
+        self.gate_up, self.down = gate_up, down
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+
+    @classmethod
+    def from_weights(cls, w: dict, prefix: str, dtype, act: str) -> "GatedMLP":
+        """From `prefix`gate_up_proj (fused, Phi-3 / GLM-4) or `prefix`{gate,up}_proj, and `prefix`down_proj;
+        biases where the checkpoint has them."""
+        def get(name):
+            t = w.get(prefix + name)
+            return None if t is None else as_dtype(t, dtype)
+
+        if prefix + "gate_up_proj.weight" in w:
+            gate_up, gate_up_bias = get("gate_up_proj.weight"), get("gate_up_proj.bias")
+        else:
+            gate_up = concat_rows([as_dtype(require(w, prefix + n), dtype) for n in ("gate_proj.weight", "up_proj.weight")])
+            gb, ub = get("gate_proj.bias"), get("up_proj.bias")
+            gate_up_bias = concat_rows([gb, ub]) if gb is not None and ub is not None else None
+        return cls(gate_up, as_dtype(require(w, prefix + "down_proj.weight"), dtype), act, gate_up_bias, get("down_proj.bias"))
+
+    def __call__(self, x: tallow.Tensor) -> tallow.Tensor:
+        y = ops.linear(x, self.gate_up, self.gate_up_bias)
+        y = ops.silu_and_mul(y) if self.kind == "silu" else ops.gelu_and_mul(y, self.approximate)
+        return ops.linear(y, self.down, self.down_bias)

@@ -1,0 +1,8 @@
+"""tallow's OpenAI-compatible HTTP server (aiohttp): protocol, SSE streaming, tool-call and
+reasoning parsers, metrics and a web UI. It holds no model logic: it talks to an AsyncEngine.
+
+    from tallow.server import ServerConfig, build_app
+"""
+from tallow.server.app import ServerConfig, build_app, start_server
+
+__all__ = ["ServerConfig", "build_app", "start_server"]

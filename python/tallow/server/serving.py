@@ -1,0 +1,556 @@
+"""The OpenAI endpoints that generate: /v1/chat/completions, /v1/completions, /v1/embeddings.
+
+Each handler validates the body (protocol.py), turns it into token ids and SamplingParams, hands
+them to the AsyncEngine and shapes the delta RequestOutputs it yields into OpenAI responses:
+one JSON body, or server-sent events ending with ``data: [DONE]``. A request whose client goes
+away (a failed write, or the handler cancelled on disconnect) is aborted in a ``finally``, which
+returns its KV blocks to the pool before the next step."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import numpy as np
+from aiohttp import web
+
+from tallow.engine.async_engine import EngineDeadError, EngineStepError
+from tallow.server import protocol as P
+from tallow.server.errors import APIError, bad_request
+from tallow.server.keys import STATE, T0
+from tallow.server.reasoning import ReasoningStream, prompt_opens_reasoning
+from tallow.server.tool_parsers import ToolCallStream, make_parser
+
+log = logging.getLogger("tallow.server")
+
+_NEG_INF_LOGPROB = -9999.0  # JSON has no -Infinity
+
+
+def _lp(v: float) -> float:
+    return v if v > _NEG_INF_LOGPROB else _NEG_INF_LOGPROB
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj: Any) -> bytes:
+    return ("data: " + _dumps(obj) + "\n\n").encode("utf-8")
+
+
+def _json_response(obj: Any) -> web.Response:
+    return web.Response(text=_dumps(obj), content_type="application/json")
+
+
+# -- engine plumbing shared by the handlers ----------------------------------------------------
+async def _add(st, prompt: dict, params, request_id: str):
+    try:
+        return await st.engine.add_request(prompt, params, request_id)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    except EngineDeadError as e:
+        raise APIError(str(e), 503, code="engine_unavailable") from None
+
+
+def _check_capacity(st, n: int = 1) -> None:
+    if st.engine.num_unfinished + n > st.config.max_pending:
+        raise APIError(f"the server is at capacity ({st.config.max_pending} requests in flight); retry later", 503,
+                       code="server_busy", headers={"Retry-After": "1"})
+
+
+def _check_length(st, n_prompt: int, params, param: str) -> None:
+    limit = st.max_model_len
+    if n_prompt >= limit:
+        raise bad_request(f"this model's maximum context length is {limit} tokens, and the prompt has {n_prompt} "
+                          "tokens, leaving no room for a completion; shorten it", param, "context_length_exceeded")
+
+
+async def _observed(st, stream, t0: float) -> AsyncIterator:
+    """The stream's deltas, observing TTFT, inter-token and end-to-end latency on the way."""
+    last = None
+    m = st.metrics
+    async for out in stream:
+        now = time.monotonic()
+        if any(o.token_ids for o in out.outputs):
+            if last is None:
+                m.ttft.observe(now - t0)
+            else:
+                m.itl.observe(now - last)
+            last = now
+        if out.finished:
+            m.e2e.observe(now - t0)
+            for o in out.outputs:
+                m.finished(o.finish_reason)
+        yield out
+
+
+async def _merged(st, streams: list, t0: float) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, delta) from several request streams as they come."""
+    if len(streams) == 1:
+        async for out in _observed(st, streams[0], t0):
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k, s):
+        try:
+            async for out in _observed(st, s, t0):
+                q.put_nowait((k, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            q.put_nowait((k, e))
+        finally:
+            q.put_nowait((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            k, item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503, code="engine_unavailable")
+    log.error("request failed in the engine: %s", e)
+    return APIError("the model failed while generating this response; the request was aborted", 500,
+                    code="engine_error")
+
+
+async def _start_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+def _entries(lps, token_ids):
+    """(token id, its Logprob, the entry dict) per generated token."""
+    for tid, entry in zip(token_ids, lps or ()):
+        lp = entry.get(tid)
+        if lp is None:  # the sampled token is the entry's first key
+            tid, lp = next(iter(entry.items()))
+        yield tid, lp, entry
+
+
+def _top(entry: dict, k: int) -> list:
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def _tok_text(st, tid: int, lp) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else st.tokenizer.decode([tid], False)
+
+
+def chat_logprobs(st, lps, token_ids, k: int) -> list[dict]:
+    out = []
+    for tid, lp, entry in _entries(lps, token_ids):
+        text = _tok_text(st, tid, lp)
+        top = [{"token": _tok_text(st, t, x), "logprob": _lp(x.logprob),
+                "bytes": list(_tok_text(st, t, x).encode("utf-8"))} for t, x in _top(entry, k)] if k else []
+        out.append({"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(st, lps, token_ids, k: int, offset: int) -> tuple[dict, int]:
+    res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, entry in _entries(lps, token_ids):
+        text = _tok_text(st, tid, lp)
+        res["tokens"].append(text)
+        res["token_logprobs"].append(_lp(lp.logprob))
+        res["top_logprobs"].append({_tok_text(st, t, x): _lp(x.logprob) for t, x in _top(entry, k)} if k else None)
+        res["text_offset"].append(offset)
+        offset += len(text)
+    return res, offset
+
+
+# -- chat --------------------------------------------------------------------------------------
+class _ChoiceState:
+    """Turns one choice's text deltas into reasoning, content and tool-call deltas."""
+
+    def __init__(self, reasoning: bool, in_reasoning: bool, parser, forced: str):
+        self.rs = ReasoningStream(in_reasoning) if reasoning else None
+        self.ts = ToolCallStream(parser, forced) if parser is not None else None
+        self.text = ""  # non-streaming: everything, parsed once at the end
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+        self.final_sent = False
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list]:
+        r, c = self.rs.feed(text, final) if self.rs is not None else ("", text)
+        events: list = []
+        if self.ts is not None:
+            c, events = self.ts.feed(c, final)
+        return r, c, events
+
+    def finish_reason_out(self) -> Optional[str]:
+        if self.ts is not None and self.ts.calls:
+            return "tool_calls"
+        return self.finish_reason
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    t0 = request.get(T0, time.monotonic())
+    body = await P.read_json(request)
+    model = P.check_model(body, st.config.model_names)
+    stream = P.get_field(body, "stream", "bool", False)
+    include_usage = P.stream_options(body, stream)
+    messages = P.chat_messages(body)
+    tools, tool_choice = P.chat_tools(body)
+    want_logprobs = P.get_field(body, "logprobs", "bool", False)
+    top_logprobs = P.get_field(body, "top_logprobs", "int", None, lo=0, hi=P.MAX_LOGPROBS)
+    if top_logprobs and not want_logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    add_generation_prompt = P.get_field(body, "add_generation_prompt", "bool", True)
+    continue_final = P.get_field(body, "continue_final_message", "bool", False)
+    if continue_final and "add_generation_prompt" in body and add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          "continue_final_message")
+    template_kwargs = P.template_kwargs(body)
+    for key in ("enable_thinking", "reasoning_effort"):
+        if body.get(key) is not None:
+            template_kwargs.setdefault(key, body[key])
+    if body.get("chat_template") is not None:
+        raise bad_request("a per-request 'chat_template' is not accepted; start the server with --chat-template",
+                          "chat_template")
+    rf = P.get_field(body, "response_format", "dict")
+    if rf is not None and rf.get("type", "text") != "text":
+        raise bad_request(f"response_format {str(rf.get('type'))[:40]!r} is not supported yet (no guided "
+                          "decoding); use 'text'", "response_format")
+
+    use_tools = tools if tool_choice != "none" else None
+    parser = make_parser(st.tool_parser_name, tools) if use_tools else None
+    forced = ""
+    if parser is not None and tool_choice != "auto":
+        forced = parser.forced_prefix(tool_choice["name"] if isinstance(tool_choice, dict) else None)
+
+    prompt_text = st.render_chat(messages, use_tools, add_generation_prompt and not continue_final, continue_final,
+                                 template_kwargs)
+    in_reasoning = st.reasoning and prompt_opens_reasoning(prompt_text)
+    if forced and in_reasoning:
+        forced, in_reasoning = "</think>\n\n" + forced, False
+    ids = st.tokenizer.encode(prompt_text + forced, add_special_tokens=False)
+    skip_special = not ((parser is not None and st.tool_markers_special) or (st.reasoning and st.think_special))
+    params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
+                               logprobs=(top_logprobs or 0) if want_logprobs else None,
+                               skip_special_tokens=skip_special)
+    _check_length(st, len(ids), params, "messages")
+    _check_capacity(st)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rstream = await _add(st, {"prompt_token_ids": ids, "prompt": prompt_text}, params, rid)
+    forced_text = forced[len("</think>\n\n"):] if forced.startswith("</think>") else forced
+    choices = [_ChoiceState(st.reasoning, in_reasoning, parser, forced_text) for _ in range(params.n)]
+    meta = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": st.fingerprint}
+    k = top_logprobs or 0
+    try:
+        if stream:
+            return await _chat_stream(request, st, rstream, t0, meta, choices, len(ids), include_usage,
+                                      want_logprobs, k)
+        return await _chat_full(st, rstream, t0, meta, choices, len(ids), want_logprobs, k)
+    finally:
+        rstream.abort()  # no-op when it finished; frees the blocks when the client went away
+
+
+async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k) -> web.Response:
+    cached = 0
+    try:
+        async for out in _observed(st, rstream, t0):
+            cached = out.num_cached_tokens
+            for o in out.outputs:
+                c = choices[o.index]
+                c.text += o.text
+                c.token_ids += o.token_ids
+                if o.logprobs:
+                    c.logprobs += o.logprobs
+                if o.finish_reason is not None:
+                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+    except (EngineStepError, EngineDeadError) as e:
+        raise _engine_error(e) from None
+    result = []
+    for i, c in enumerate(choices):
+        r, content, _ = c.feed(c.text, True)
+        msg: dict[str, Any] = {"role": "assistant", "content": c.rs.content if c.rs is not None else content}
+        if c.ts is not None:
+            msg["content"] = c.ts.content
+        if c.rs is not None and c.rs.reasoning is not None:
+            msg["reasoning_content"] = c.rs.reasoning
+        if c.ts is not None and c.ts.calls:
+            msg["tool_calls"] = c.ts.tool_calls()
+            if not (msg["content"] or "").strip():
+                msg["content"] = None
+        choice = {"index": i, "message": msg,
+                  "logprobs": {"content": chat_logprobs(st, c.logprobs, c.token_ids, k)} if want_logprobs else None,
+                  "finish_reason": c.finish_reason_out()}
+        if c.stop_reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        result.append(choice)
+    n_out = sum(len(c.token_ids) for c in choices)
+    return _json_response({**{"id": meta["id"], "object": "chat.completion", "created": meta["created"],
+                               "model": meta["model"]}, "system_fingerprint": meta["system_fingerprint"],
+                           "choices": result, "usage": _usage(n_prompt, n_out, cached)})
+
+
+async def _chat_stream(request, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
+    resp = await _start_sse(request)
+    base = {"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"], "model": meta["model"],
+            "system_fingerprint": meta["system_fingerprint"]}
+
+    def chunk(choice: Optional[dict], usage=None, no_choices=False) -> bytes:
+        d = dict(base, choices=[] if no_choices else [choice])
+        if include_usage:
+            d["usage"] = usage
+        return _sse(d)
+
+    head = b"".join(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}) for i in range(len(choices)))
+    await resp.write(head)
+    n_out, cached = 0, 0
+    try:
+        async for out in _observed(st, rstream, t0):
+            cached = out.num_cached_tokens
+            parts = []
+            for o in out.outputs:
+                c = choices[o.index]
+                if c.final_sent:
+                    continue
+                n_out += len(o.token_ids)
+                final = o.finish_reason is not None
+                r, content, events = c.feed(o.text, final)
+                lp = ({"content": chat_logprobs(st, o.logprobs, o.token_ids, k)}
+                      if want_logprobs and o.token_ids else None)
+                delta: dict[str, Any] = {}
+                if r:
+                    delta["reasoning_content"] = r
+                if content:
+                    delta["content"] = content
+                if delta or lp:
+                    parts.append(chunk({"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": None}))
+                for ev in events:
+                    parts.append(chunk({"index": o.index, "delta": {"tool_calls": [ev]}, "logprobs": None,
+                                        "finish_reason": None}))
+                if final:
+                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                    c.final_sent = True
+                    end = {"index": o.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason_out()}
+                    if o.stop_reason is not None:
+                        end["stop_reason"] = o.stop_reason
+                    parts.append(chunk(end))
+            if parts:
+                await resp.write(b"".join(parts))
+        if include_usage:
+            await resp.write(chunk(None, _usage(n_prompt, n_out, cached), no_choices=True))
+    except (EngineStepError, EngineDeadError) as e:
+        await resp.write(_sse(_engine_error(e).to_dict()))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# -- completions -------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    t0 = request.get(T0, time.monotonic())
+    body = await P.read_json(request)
+    model = P.check_model(body, st.config.model_names)
+    stream = P.get_field(body, "stream", "bool", False)
+    include_usage = P.stream_options(body, stream)
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", "prompt")
+    prompts = P.prompt_inputs(body.get("prompt"), "prompt")
+    if len(prompts) > 1024:
+        raise bad_request(f"at most 1024 prompts per request, got {len(prompts)}", "prompt")
+    if P.get_field(body, "suffix", "str"):
+        raise bad_request("'suffix' is not supported", "suffix")
+    echo = P.get_field(body, "echo", "bool", False)
+    logprobs = P.get_field(body, "logprobs", "int", None, lo=0, hi=P.MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", "echo")
+    params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=16, logprobs=logprobs)
+    tok = st.tokenizer
+    inputs = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("the prompt is empty", "prompt")
+            ids, text = tok.encode(p), p
+        else:
+            ids, text = list(p), None
+            vocab = st.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt token id {bad} is out of range: this model's vocabulary has ids "
+                                  f"0..{vocab - 1}", "prompt")
+        _check_length(st, len(ids), params, "prompt")
+        inputs.append((ids, text))
+    _check_capacity(st, len(inputs))
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    streams = []
+    try:
+        for i, (ids, text) in enumerate(inputs):
+            prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+            streams.append(await _add(st, prompt, params, f"{cid}-{i}"))
+        meta = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "system_fingerprint": st.fingerprint}
+        echoes = [(text if text is not None else tok.decode(ids)) if echo else "" for ids, text in inputs]
+        if stream:
+            return await _completion_stream(request, st, streams, t0, meta, params.n, inputs, echoes,
+                                            include_usage, logprobs)
+        return await _completion_full(st, streams, t0, meta, params.n, inputs, echoes, logprobs)
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def _completion_full(st, streams, t0, meta, n, inputs, echoes, logprobs) -> web.Response:
+    texts = [[e] * n for e in echoes]
+    toks = [[[] for _ in range(n)] for _ in inputs]
+    lps = [[[] for _ in range(n)] for _ in inputs]
+    fin = [[(None, None)] * n for _ in inputs]
+    cached = 0
+    try:
+        async for k, out in _merged(st, streams, t0):
+            if out.finished:
+                cached += out.num_cached_tokens
+            for o in out.outputs:
+                texts[k][o.index] += o.text
+                toks[k][o.index] += o.token_ids
+                if o.logprobs:
+                    lps[k][o.index] += o.logprobs
+                if o.finish_reason is not None:
+                    fin[k][o.index] = (o.finish_reason, o.stop_reason)
+    except (EngineStepError, EngineDeadError) as e:
+        raise _engine_error(e) from None
+    choices = []
+    for k in range(len(inputs)):
+        for i in range(n):
+            lp = None
+            if logprobs is not None:
+                lp, _ = completion_logprobs(st, lps[k][i], toks[k][i], logprobs, len(echoes[k]))
+            choice = {"index": k * n + i, "text": texts[k][i], "logprobs": lp, "finish_reason": fin[k][i][0]}
+            if fin[k][i][1] is not None:
+                choice["stop_reason"] = fin[k][i][1]
+            choices.append(choice)
+    n_prompt = sum(len(ids) for ids, _ in inputs)
+    n_out = sum(len(t) for row in toks for t in row)
+    return _json_response({**meta, "choices": choices, "usage": _usage(n_prompt, n_out, cached)})
+
+
+async def _completion_stream(request, st, streams, t0, meta, n, inputs, echoes, include_usage, logprobs):
+    resp = await _start_sse(request)
+
+    def chunk(choices: list, usage=None) -> bytes:
+        d = dict(meta, choices=choices)
+        if include_usage:
+            d["usage"] = usage
+        return _sse(d)
+
+    offsets = [[len(e)] * n for e in echoes]
+    started = [[False] * n for _ in inputs]
+    n_out, cached = 0, 0
+    try:
+        async for k, out in _merged(st, streams, t0):
+            if out.finished:
+                cached += out.num_cached_tokens
+            parts = []
+            for o in out.outputs:
+                text = o.text
+                if not started[k][o.index]:
+                    started[k][o.index] = True
+                    text = echoes[k] + text
+                n_out += len(o.token_ids)
+                if not (text or o.token_ids or o.finish_reason):
+                    continue
+                lp = None
+                if logprobs is not None:
+                    lp, offsets[k][o.index] = completion_logprobs(st, o.logprobs, o.token_ids, logprobs,
+                                                                  offsets[k][o.index])
+                choice = {"index": k * n + o.index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason}
+                if o.stop_reason is not None:
+                    choice["stop_reason"] = o.stop_reason
+                parts.append(chunk([choice]))
+            if parts:
+                await resp.write(b"".join(parts))
+        if include_usage:
+            n_prompt = sum(len(ids) for ids, _ in inputs)
+            await resp.write(chunk([], _usage(n_prompt, n_out, cached)))
+    except (EngineStepError, EngineDeadError) as e:
+        await resp.write(_sse(_engine_error(e).to_dict()))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# -- embeddings --------------------------------------------------------------------------------
+MAX_EMBED_INPUTS = 2048
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    from tallow.engine.engine import KVCacheFullError
+
+    st = request.app[STATE]
+    body = await P.read_json(request)
+    model = P.check_model(body, st.config.model_names)
+    if "input" not in body:
+        raise bad_request("'input' is required", "input")
+    inputs = P.prompt_inputs(body.get("input"), "input")
+    if len(inputs) > MAX_EMBED_INPUTS:
+        raise bad_request(f"at most {MAX_EMBED_INPUTS} inputs per request, got {len(inputs)}", "input")
+    if any(isinstance(x, str) and not x for x in inputs):
+        raise bad_request("'input' strings must not be empty", "input")
+    fmt = P.get_field(body, "encoding_format", "str", "float", choices=("float", "base64"))
+    pooling = P.get_field(body, "pooling", "str", st.config.embedding_pooling, choices=("last", "mean"))
+    normalize = P.get_field(body, "normalize", "bool", True)
+    dims = P.get_field(body, "dimensions", "int", None, lo=1, hi=2**31)
+    if dims is not None and dims != st.hidden_size:
+        raise bad_request(f"'dimensions' must be this model's hidden size ({st.hidden_size}); other sizes are not "
+                          "supported", "dimensions")
+    for x in inputs:
+        n = len(x) if isinstance(x, list) else None
+        if n is not None and n > st.max_model_len:
+            raise bad_request(f"an input has {n} tokens; this model's context is {st.max_model_len}", "input",
+                              "context_length_exceeded")
+    try:
+        results = await st.engine.embed([{"prompt_token_ids": x} if isinstance(x, list) else x for x in inputs],
+                                        pooling=pooling, normalize=normalize)
+    except ValueError as e:
+        raise bad_request(str(e), "input") from None
+    except KVCacheFullError as e:
+        raise APIError(str(e), 503, code="server_busy", headers={"Retry-After": "1"}) from None
+    except EngineDeadError as e:
+        raise APIError(str(e), 503, code="engine_unavailable") from None
+    data = []
+    total = 0
+    for i, (vec, n) in enumerate(results):
+        total += n
+        if fmt == "base64":
+            emb: Any = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode("ascii")
+        else:
+            emb = [float(v) for v in vec]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return _json_response({"object": "list", "data": data, "model": model,
+                           "usage": {"prompt_tokens": total, "total_tokens": total}})

@@ -1,0 +1,194 @@
+"""Shared by the server tests: a tiny random Llama written with numpy (no torch needed), a live
+server on 127.0.0.1 in a background thread, and a scripted engine whose output text is fixed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import threading
+from typing import Optional
+
+import numpy as np
+
+from engine_models import write_word_tokenizer
+
+CHAT_TEMPLATE = ("{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] or '' }}"
+                 "{% if m.tool_calls %}{% for c in m.tool_calls %} t5 {{ c.function.name }} "
+                 "{{ c.function.arguments | tojson }}{% endfor %}{% endif %} t3 {% endfor %}"
+                 "{% if tools %}t6 {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+                 "{% if add_generation_prompt %}t4{% endif %}")
+
+LLAMA_CFG = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, eos_token_id=1, bos_token_id=None, rope_theta=10000.0)
+
+
+def write_tiny_llama(path: pathlib.Path, seed: int = 0, chat_template: Optional[str] = CHAT_TEMPLATE,
+                     **overrides) -> pathlib.Path:
+    """config.json + model.safetensors (random f32 weights) + a WordLevel tokenizer ("t0".."tN")."""
+    from safetensors.numpy import save_file
+
+    cfg = dict(LLAMA_CFG, **overrides)
+    rng = np.random.default_rng(seed)
+    h, v, inter, d = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def w(*shape, scale=0.08):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32), "lm_head.weight": w(v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        t[p + "self_attn.q_proj.weight"] = w(nh * d, h)
+        t[p + "self_attn.k_proj.weight"] = w(nkv * d, h)
+        t[p + "self_attn.v_proj.weight"] = w(nkv * d, h)
+        t[p + "self_attn.o_proj.weight"] = w(h, nh * d)
+        t[p + "mlp.gate_proj.weight"] = w(inter, h)
+        t[p + "mlp.up_proj.weight"] = w(inter, h)
+        t[p + "mlp.down_proj.weight"] = w(h, inter)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                  "torch_dtype": "float32", **cfg}))
+    write_word_tokenizer(path, v, eos_id=cfg["eos_token_id"])
+    if chat_template is not None:
+        tc = json.loads((path / "tokenizer_config.json").read_text())
+        tc["chat_template"] = chat_template
+        (path / "tokenizer_config.json").write_text(json.dumps(tc))
+    return path
+
+
+class ServerThread:
+    """An AsyncEngine + aiohttp app on 127.0.0.1 (a free port) in a background event loop."""
+
+    def __init__(self, llm_engine, **config):
+        from tallow.engine.async_engine import AsyncEngine
+        from tallow.server.app import ServerConfig, build_app, start_server
+
+        config.setdefault("model_names", ["tiny"])
+        self.config = ServerConfig(**config)
+        self.llm_engine = llm_engine
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def setup():
+            self.engine = AsyncEngine(llm_engine)
+            self.app = build_app(self.engine, self.config)
+            self.runner, self.port = await start_server(self.app, "127.0.0.1", 0)
+
+        self.call(setup())
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def in_engine(self, fn, timeout: float = 60):
+        """fn(llm_engine) run on the step thread between steps."""
+        return self.call(self.engine.run_in_engine(fn), timeout)
+
+    def pool_state(self) -> tuple[int, int]:
+        return self.in_engine(lambda e: (e.kv.num_free_blocks, e.kv.pool.num_blocks))
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until the engine holds no request and every KV block is free."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = self.in_engine(lambda e: (e.has_unfinished_requests(),
+                                             getattr(e, "kv", None) and e.kv.num_free_blocks != e.kv.pool.num_blocks))
+            if not any(busy):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy after {timeout}s: {busy}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        async def teardown():
+            await self.runner.cleanup()
+            await self.engine.shutdown()
+
+        try:
+            self.call(teardown())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+# -- a scripted engine -------------------------------------------------------------------------
+class ScriptedEngine:
+    """The LLMEngine interface the AsyncEngine uses, producing scripted texts: each request takes
+    the next script (a list of text pieces, one piece per step and per token) from ``scripts``, or
+    repeats ``default``. Tests of tool calling and reasoning drive the server with it."""
+
+    def __init__(self, tokenizer, max_model_len: int = 4096):
+        from tallow.engine.engine import LLMEngine  # noqa: F401 - same package as the real one
+
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.scripts: list[list[str]] = []
+        self.default = ["Hello", " world", "!"]
+        self.groups: dict = {}
+        self.prompts: list[list[int]] = []
+        self.params: list = []
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.fail_next_step = False
+
+    def add_request(self, prompt, params, request_id):
+        from tallow.engine.sampling_params import SamplingParams
+
+        params = params or SamplingParams()
+        params.validate()
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError("the prompt is too long")
+        script = list(self.scripts.pop(0) if self.scripts else self.default)
+        self.prompts.append(list(ids))
+        self.params.append(params)
+        self.groups[request_id] = {"ids": ids, "n": params.n, "script": script, "pos": [0] * params.n,
+                                   "done": [False] * params.n, "params": params}
+        self.stats["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort_request(self, request_id):
+        self.groups.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.groups)
+
+    def step(self):
+        from tallow.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("scripted failure")
+        self.stats["steps"] += 1
+        outs = []
+        for rid, g in list(self.groups.items()):
+            comps = []
+            for i in range(g["n"]):
+                if g["done"][i]:  # like the engine: a finished sequence keeps reporting its reason
+                    comps.append(CompletionOutput(i, "", [], finish_reason=g["done"][i]))
+                    continue
+                piece = g["script"][g["pos"][i]]
+                g["pos"][i] += 1
+                max_tokens = g["params"].max_tokens
+                finish = None
+                if g["pos"][i] >= len(g["script"]):
+                    finish = "stop"
+                elif max_tokens is not None and g["pos"][i] >= max_tokens:
+                    finish = "length"
+                g["done"][i] = finish or False
+                lps = None
+                if g["params"].logprobs is not None:
+                    lps = [{7: Logprob(-0.5, rank=1, decoded_token=piece)}]
+                comps.append(CompletionOutput(i, piece, [7], None, lps, finish))
+                self.stats["generation_tokens"] += 1
+            finished = all(g["done"])
+            outs.append(RequestOutput(rid, None, g["ids"], comps, finished, 0, delta=True))
+            if finished:
+                del self.groups[rid]
+        return outs
