@@ -15,16 +15,25 @@ Thread, not process. Both keep the event loop free of model work; they differ in
 between the two sides and in who holds the GIL.
 - A thread shares the tokenizer, the KV pool and the engine's statistics: no serialisation of
   requests or outputs, aborts free blocks at the next step boundary, and the server reads gauges
-  (queue lengths, KV usage) without IPC. Its cost is the GIL: Python work of the step (scheduling,
-  sampling, detokenising) and kernels that do not release the GIL delay the event loop, and the
-  event loop's work (JSON, SSE writes) delays the step.
-- A process removes the GIL contention but pickles every request and every delta across a pipe,
-  duplicates the tokenizer, and makes an abort or a pool query a round trip.
-Measured with benchmarks/serve.py (concurrent streaming clients against the same workload run
-offline with LLM.generate), the thread costs a few percent of output throughput on CPU (see the
-figures in that script's docstring), below what a pipe round trip per step would add at small
-batch sizes; so the engine runs in a thread. The executor of issue 4 (one worker process per GPU)
-sits below the engine and is unaffected by this choice.
+  (queue lengths, KV usage) without IPC. Its cost is the GIL: the step's Python work and the CPU
+  kernels (whose bindings do not release the GIL) hold it, and every socket write of the event loop
+  releases it and must win it back. With Python's default 5 ms switch interval the loop falls
+  behind and streamed tokens arrive in bursts; so while an AsyncEngine runs, the interval is 0.1 ms
+  (GIL_SWITCH_INTERVAL).
+- A process removes the contention but pickles every request and delta across a pipe, duplicates
+  the tokenizer, and makes an abort or a pool query a round trip.
+Measured with benchmarks/serve.py (results/serve_cpu_smollm2_shape.json): 16 concurrent streaming
+clients against the same workload run offline with LLM.generate, a random-weight Llama shaped like
+SmolLM2-135M (f32), on 8 threads of a 16-core Xeon (the CPU of the H200 device machine; ~47 ms per
+step): the server reaches 96% of the offline output throughput (overhead 0.3 to 8.7% over four
+runs, mean 3.8%; run-to-run noise is about 4 points), inter-token latency p50/p99 36/44 ms; with
+Python's 5 ms switch interval it was 10 to 18% and p99 207 to 426 ms; 4 clients (25 ms steps): 2.4%.
+A pipe round trip of one step's deltas would cost 0.03 to 0.05 ms per step (0.1%), so a process
+would not be slower either; the thread is kept for its simplicity. Letting the CPU kernels release
+the GIL (py::call_guard<py::gil_scoped_release> on the op bindings; tried, not in the tree) gave
+3.1% and p99 38 ms. On a tiny model (1.5 ms steps, 5 ms interval) HTTP work dominates: 26%. Revisit with
+the GPU runner, whose steps are short and mostly Python; the interface here would not change. The
+executor of issue 4 (one worker process per GPU) sits below the engine and is unaffected.
 
 Failures: a ValueError from LLMEngine.add_request (bad prompt or parameters) is raised by
 ``add_request`` to its caller. An exception inside a step fails every request the engine held at
@@ -120,9 +129,11 @@ class AsyncEngine:
     LLMEngine interface used here (add_request, step, abort_request, has_unfinished_requests,
     tokenizer); tests drive the server with a scripted one."""
 
-    def __init__(self, engine, *, start: bool = True, switch_interval: Optional[float] = GIL_SWITCH_INTERVAL):
+    def __init__(self, engine, *, start: bool = True, switch_interval: Any = "default"):
+        """switch_interval: the GIL hand-off interval to use while the engine runs ("default":
+        GIL_SWITCH_INTERVAL; None leaves Python's setting alone)."""
         self.engine = engine
-        self._switch_interval = switch_interval
+        self._switch_interval = GIL_SWITCH_INTERVAL if switch_interval == "default" else switch_interval
         self._old_switch_interval: Optional[float] = None
         self.tokenizer = getattr(engine, "tokenizer", None)
         self._cond = threading.Condition()

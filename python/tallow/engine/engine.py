@@ -71,8 +71,7 @@ class LLMEngine:
                              .replace("max_tokens", "max_gen_tokens")) from None
         if args.num_threads:
             tallow.set_num_threads(args.num_threads)
-        if args.device != "cpu":
-            raise ValueError(f"device {args.device!r} is not supported by this engine build yet (use device='cpu')")
+        self.device = self._check_device(args.device)
         src = resolve_model_source(m=args.model, w=args.weights_dir, f=args.gguf_file, revision=args.revision)
         if src.kind == "gguf":
             cfg = ModelConfig.from_gguf(src.gguf)
@@ -90,10 +89,29 @@ class LLMEngine:
         self.dtype = self._resolve_dtype(args.dtype, cfg, src.kind)
         kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else tallow._core.dtype(args.kv_cache_dtype)
 
-        # KV cache: sized from the budget; it must hold at least one max-length sequence.
+        # Weights: built on the host (fusing, dequantizing where needed), then moved once.
+        weights = load_weights(src)
+        model_positions = max(args.max_model_len or 0, cfg.max_position_embeddings)
+        self.model = build_model(cfg, weights, self.dtype, max_positions=model_positions)
+        del weights
+        if self.device != "cpu":
+            from tallow.layers.weights import move_to_device
+
+            move_to_device(self.model, self.device)
+
+        # KV cache: sized from the budget (--mem MB; on a GPU by default gpu_memory_fraction of the
+        # memory free after the weights); it must hold at least one max-length sequence.
         bs = args.block_size
         per_block = ModelRunner.kv_bytes_per_block(cfg, bs, kv_dtype)
-        budget = (args.mem or DEFAULT_CPU_KV_MB) * 2**20
+        if args.mem:
+            budget = args.mem * 2**20
+        elif self.device != "cpu":
+            from tallow import cuda
+
+            free, _total = cuda.mem_get_info(self.device)
+            budget = int(free * args.gpu_memory_fraction)
+        else:
+            budget = DEFAULT_CPU_KV_MB * 2**20
         num_blocks = args.num_kv_blocks or budget // per_block
         capacity = num_blocks * bs
         max_len = args.max_model_len or cfg.max_position_embeddings
@@ -112,12 +130,8 @@ class LLMEngine:
                                  f"({per_block} bytes); raise --mem")
             log.warning("max_model_len lowered to %d tokens to fit the KV cache (raise --mem for more)", max_len)
         self.max_model_len = max_len
-
-        weights = load_weights(src)
-        self.model = build_model(cfg, weights, self.dtype, max_positions=max_len)
-        del weights
         self.kv = KVCacheManager(num_blocks, bs, args.prefix_cache, args.prefix_cache_max_tokens)
-        self.runner = ModelRunner(self.model, self.kv, num_blocks, bs, kv_dtype, args.device)
+        self.runner = ModelRunner(self.model, self.kv, num_blocks, bs, kv_dtype, self.device)
         max_batched = args.max_num_batched_tokens or max(8192, args.prefill_chunk_size)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, max_batched, args.prefill_chunk_size), self.kv)
         self.sampler = Sampler(cfg.vocab_size)
@@ -130,9 +144,24 @@ class LLMEngine:
                       "prompt_tokens": 0, "generation_tokens": 0}
 
     @staticmethod
-    def _resolve_dtype(name: str, cfg, kind: str):
+    def _check_device(device: str) -> str:
+        d = str(tallow.Device(device))  # ValueError for a malformed name
+        if d == "cpu":
+            return d
+        if not tallow._core.build_info.get("cuda"):
+            raise ValueError(f"device {device!r}: this build of tallow has no CUDA backend (reinstall on a machine "
+                             "with nvcc, or use device='cpu')")
+        from tallow import cuda
+
+        if not cuda.is_available() or tallow.Device(d).index >= cuda.device_count():
+            raise ValueError(f"device {device!r}: no such CUDA device (visible: {cuda.device_count()})")
+        return d
+
+    def _resolve_dtype(self, name: str, cfg, kind: str):
         if name != "auto":
             return tallow._core.dtype(name)
+        if self.device != "cpu":  # GPUs: the checkpoint's half type, bf16 for f32/GGUF checkpoints
+            return tallow.float16 if cfg.dtype == "float16" else tallow.bfloat16
         # CPU kernels run fastest in f32; half-precision checkpoints are widened once at load.
         return tallow.float32
 

@@ -37,13 +37,16 @@ class GatedMLP:
             t = w.get(prefix + name)
             return None if t is None else as_dtype(t, dtype)
 
+        def need(name):
+            return as_dtype(require(w, prefix + name), dtype)
+
         if prefix + "gate_up_proj.weight" in w:
             gate_up, gate_up_bias = get("gate_up_proj.weight"), get("gate_up_proj.bias")
         else:
-            gate_up = concat_rows([as_dtype(require(w, prefix + n), dtype) for n in ("gate_proj.weight", "up_proj.weight")])
+            gate_up = concat_rows([need("gate_proj.weight"), need("up_proj.weight")])
             gb, ub = get("gate_proj.bias"), get("up_proj.bias")
             gate_up_bias = concat_rows([gb, ub]) if gb is not None and ub is not None else None
-        return cls(gate_up, as_dtype(require(w, prefix + "down_proj.weight"), dtype), act, gate_up_bias, get("down_proj.bias"))
+        return cls(gate_up, need("down_proj.weight"), act, gate_up_bias, get("down_proj.bias"))
 
     def __call__(self, x: tallow.Tensor) -> tallow.Tensor:
         y = ops.linear(x, self.gate_up, self.gate_up_bias)

@@ -17,7 +17,9 @@ _OTHER_TOWERS = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_p
                            r"embed_vision|embed_audio|visual)\.")
 
 
-class MissingWeightError(KeyError):
+class MissingWeightError(KeyError, ValueError):
+    """A weight the model file needs is not in the checkpoint (a ValueError too, for the CLI's clean errors)."""
+
     def __str__(self):  # KeyError would quote the message
         return str(self.args[0])
 

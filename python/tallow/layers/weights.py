@@ -2,10 +2,7 @@
 a kernel has no quantized path yet) and fusing projections that read the same input."""
 from __future__ import annotations
 
-import numpy as np
-
 import tallow
-from tallow import _core
 
 
 def as_dtype(t: tallow.Tensor, dtype: tallow.DType) -> tallow.Tensor:
@@ -16,8 +13,8 @@ def as_dtype(t: tallow.Tensor, dtype: tallow.DType) -> tallow.Tensor:
 
 
 def concat_rows(tensors: list[tallow.Tensor]) -> tallow.Tensor:
-    """Concatenate 2-D (or 1-D) tensors of one dtype along dim 0, byte-wise (any dtype, block
-    types included: rows are whole blocks)."""
+    """Concatenate tensors of one dtype and device along dim 0 (any dtype, block types included:
+    rows are whole blocks); works on every device through copy_."""
     dt = tensors[0].dtype
     if any(t.dtype != dt for t in tensors):
         raise TypeError(f"concat_rows: dtypes differ: {[str(t.dtype) for t in tensors]}")
@@ -26,9 +23,38 @@ def concat_rows(tensors: list[tallow.Tensor]) -> tallow.Tensor:
     inner = tensors[0].shape[1:]
     if any(t.shape[1:] != inner for t in tensors):
         raise ValueError(f"concat_rows: trailing shapes differ: {[t.shape for t in tensors]}")
-    raw = np.concatenate([np.ascontiguousarray(t.contiguous().numpy(raw=True)).reshape(-1) for t in tensors])
-    rows = sum(t.shape[0] for t in tensors)
-    return _core.from_buffer(raw, dt, [rows, *inner])
+    out = tallow.empty([sum(t.shape[0] for t in tensors), *inner], dt, tensors[0].device)
+    start = 0
+    for t in tensors:
+        out.narrow(0, start, t.shape[0]).copy_(t)
+        start += t.shape[0]
+    return out
+
+
+def move_to_device(obj, device: str, _seen=None):
+    """Move every Tensor reachable from a model object's attributes (and lists/tuples/dicts of them)
+    to `device`, in place. Models are built on the host and moved once."""
+    if _seen is None:
+        _seen = set()
+    if id(obj) in _seen:
+        return obj
+    _seen.add(id(obj))
+    if isinstance(obj, tallow.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            obj[i] = move_to_device(v, device, _seen)
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(move_to_device(v, device, _seen) for v in obj)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = move_to_device(v, device, _seen)
+        return obj
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("tallow."):
+        for k, v in vars(obj).items():
+            setattr(obj, k, move_to_device(v, device, _seen))
+    return obj
 
 
 def split_last(x: tallow.Tensor, sizes: list[int]) -> list[tallow.Tensor]:

@@ -317,6 +317,14 @@ async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k)
 
 async def _chat_stream(request, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
     resp = await _start_sse(request)
+    try:
+        return await _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k)
+    except ConnectionResetError:  # the client went away; the caller aborts the request
+        log.debug("client disconnected from %s", meta["id"])
+        return resp
+
+
+async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
     base = {"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"], "model": meta["model"],
             "system_fingerprint": meta["system_fingerprint"]}
 
@@ -462,6 +470,14 @@ async def _completion_full(st, streams, t0, meta, n, inputs, echoes, logprobs) -
 
 async def _completion_stream(request, st, streams, t0, meta, n, inputs, echoes, include_usage, logprobs):
     resp = await _start_sse(request)
+    try:
+        return await _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, include_usage, logprobs)
+    except ConnectionResetError:  # the client went away; the caller aborts the requests
+        log.debug("client disconnected from %s", meta["id"])
+        return resp
+
+
+async def _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, include_usage, logprobs):
 
     def chunk(choices: list, usage=None) -> bytes:
         d = dict(meta, choices=choices)
