@@ -78,12 +78,7 @@ def run_offline(args, prompts) -> dict:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     ns = p.parse_args(model_flags(args) + engine_flags(args))
-    llm = LLM.from_engine_args(engine_args_from(ns)) if hasattr(LLM, "from_engine_args") else None
-    if llm is None:
-        from tallow.engine.engine import LLMEngine
-
-        llm = LLM.__new__(LLM)
-        llm.engine = LLMEngine(engine_args_from(ns))
+    llm = LLM.from_engine_args(engine_args_from(ns))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     steps0 = llm.engine.stats["steps"]

@@ -23,9 +23,10 @@
 
 #define TALLOW_GEMM_BODY 1
 
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (_mm512_undefined_* inside them).
+// GCC 12's AVX-512 intrinsic headers trip -W(maybe-)uninitialized (_mm512_undefined_* inside them).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #if TALLOW_GEMM_MULTI

@@ -543,39 +543,54 @@ static inline void dot_tile(int64_t K, const float* x, int64_t ldx, const T* w, 
     }
 }
 
-template <class T, int RM>
-static void dot_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t ldx, int64_t i0, const T* b,
-                     int64_t j0, int64_t j1) {
-  constexpr int RN = RM == 1 ? 8 : 4;
-  float r[RM * 8];
-  const float* xr = x + i0 * ldx;
-  auto emit = [&](int64_t j, int rn) {
-    for (int m = 0; m < RM; ++m)
+// Rows of x (M <= kSmallM) against columns [j0, j1) of B (rows of w): each tile of RN rows of w is read
+// from memory once and reused from cache for every group of up to 4 rows of x.
+template <class T>
+static void dot_cols(const Problem& p, T* c, const T* bias, int64_t M, int64_t K, const float* x, int64_t ldx,
+                     const T* b, int64_t j0, int64_t j1) {
+  constexpr int RN1 = W >= 16 ? 8 : 4;  // w rows per tile for a single row of x (more streams in flight)
+  constexpr int RN = W >= 16 ? 4 : 2;   // w rows per tile otherwise (4 x RN accumulators + RN + 1 registers)
+  float r[4 * RN1];
+  auto emit = [&](int64_t i0, int rm, int64_t j, int rn) {
+    for (int m = 0; m < rm; ++m)
       for (int n = 0; n < rn; ++n) {
         const int64_t i = i0 + m, jj = j + n;
-        float v = r[m * (rn == RN ? RN : 1) + (rn == RN ? n : 0)];
+        float v = r[m * rn + n];
         if (p.bias_mode == 1) v += to_f32(bias[jj * p.bias_stride]);
         else if (p.bias_mode == 2) v += to_f32(bias[i * p.bias_stride]);
         c[i * p.rsc + jj * p.csc] = from_f32<T>(v);
       }
   };
+  auto tile = [&](int64_t j, auto rn_tag) {
+    constexpr int rn = decltype(rn_tag)::value;
+    const T* w = b + j * p.csb;
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) {
+      dot_tile<T, 4, rn>(K, x + i * ldx, ldx, w, p.csb, r);
+      emit(i, 4, j, rn);
+    }
+    switch (M - i) {
+      case 3: dot_tile<T, 3, rn>(K, x + i * ldx, ldx, w, p.csb, r); emit(i, 3, j, rn); break;
+      case 2: dot_tile<T, 2, rn>(K, x + i * ldx, ldx, w, p.csb, r); emit(i, 2, j, rn); break;
+      case 1: dot_tile<T, 1, rn>(K, x + i * ldx, ldx, w, p.csb, r); emit(i, 1, j, rn); break;
+      default: break;
+    }
+  };
   int64_t j = j0;
-  for (; j + RN <= j1; j += RN) {
-    dot_tile<T, RM, RN>(K, xr, ldx, b + j * p.csb, p.csb, r);
-    emit(j, RN);
-  }
-  for (; j < j1; ++j) {
-    dot_tile<T, RM, 1>(K, xr, ldx, b + j * p.csb, p.csb, r);
-    emit(j, 1);
-  }
+  if (M == 1)
+    for (; j + RN1 <= j1; j += RN1) tile(j, std::integral_constant<int, RN1>{});
+  for (; j + RN <= j1; j += RN) tile(j, std::integral_constant<int, RN>{});
+  for (; j < j1; ++j) tile(j, std::integral_constant<int, 1>{});
 }
 
 // ---- small M, B rows N-contiguous: axpy over rows of B ----------------------------------------------------
 
+constexpr int kAxpyNB = W >= 16 ? 4 : 2;  // vectors of columns per sweep (4 x NB accumulators)
+
 template <class T, int RM>
 static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t ldx, int64_t i0, const T* b,
                       int64_t j0, int64_t j1) {
-  constexpr int NB = 4;  // vectors of columns per sweep
+  constexpr int NB = kAxpyNB;
   const float* xr = x + i0 * ldx;
   auto emit = [&](int64_t j, const float* t, int64_t n, int64_t ldt) {
     for (int m = 0; m < RM; ++m)
@@ -638,12 +653,12 @@ template <class T, bool kDot>
 static void run_small(const Problem& p) {
   const int threads = get_num_threads();
   const int64_t N = p.N, K = p.K, M = p.M;
-  const int64_t quantum = kDot ? 8 : NV * 2 * W;  // columns per unit of work
+  const int64_t quantum = kDot ? 8 : kAxpyNB * W;  // columns per unit of work
   int64_t nchunks = ceil_div(4 * (int64_t)threads, p.batch);
   const int64_t max_chunks = ceil_div(N, quantum);
   if (nchunks > max_chunks) nchunks = max_chunks;
   if (nchunks < 1) nchunks = 1;
-  const int64_t chunk = round_up(ceil_div(N, nchunks), kDot ? 8 : W);
+  const int64_t chunk = round_up(ceil_div(N, nchunks), kDot ? 8 : kAxpyNB * W);
   nchunks = ceil_div(N, chunk);
   parallel_for(0, p.batch * nchunks, 1, [&](int64_t t0, int64_t t1) {
     // A rows as f32 with unit column stride: used in place when they already are, else converted once
@@ -668,17 +683,25 @@ static void run_small(const Problem& p) {
         x_batch = bt;
       }
       const T* bias = static_cast<const T*>(p.bias);
-      int64_t i = 0;
-      auto rows = [&](auto rm_tag) {
-        constexpr int RM = decltype(rm_tag)::value;
-        if constexpr (kDot) dot_rows<T, RM>(p, c, bias, K, x, ldx, i, b, j0, j1);
-        else axpy_rows<T, RM>(p, c, bias, K, x, ldx, i, b, j0, j1);
-        i += RM;
-      };
-      for (; i + 4 <= M;) rows(std::integral_constant<int, 4>{});
-      if (M - i == 3) rows(std::integral_constant<int, 3>{});
-      else if (M - i == 2) rows(std::integral_constant<int, 2>{});
-      else if (M - i == 1) rows(std::integral_constant<int, 1>{});
+      if constexpr (kDot) {
+        dot_cols<T>(p, c, bias, M, K, x, ldx, b, j0, j1);
+      } else {
+        // Sweeps of a few vectors of columns (K x sweep of B stays in cache) outside, row groups inside.
+        constexpr int64_t SW = kAxpyNB * W;
+        for (int64_t js = j0; js < j1; js += SW) {
+          const int64_t je = js + SW < j1 ? js + SW : j1;
+          int64_t i = 0;
+          auto rows = [&](auto rm_tag) {
+            constexpr int RM = decltype(rm_tag)::value;
+            axpy_rows<T, RM>(p, c, bias, K, x, ldx, i, b, js, je);
+            i += RM;
+          };
+          for (; i + 4 <= M;) rows(std::integral_constant<int, 4>{});
+          if (M - i == 3) rows(std::integral_constant<int, 3>{});
+          else if (M - i == 2) rows(std::integral_constant<int, 2>{});
+          else if (M - i == 1) rows(std::integral_constant<int, 1>{});
+        }
+      }
     }
   });
 }

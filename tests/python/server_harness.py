@@ -125,8 +125,6 @@ class ScriptedEngine:
     repeats ``default``. Tests of tool calling and reasoning drive the server with it."""
 
     def __init__(self, tokenizer, max_model_len: int = 4096):
-        from tallow.engine.engine import LLMEngine  # noqa: F401 - same package as the real one
-
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.scripts: list[list[str]] = []
@@ -145,10 +143,13 @@ class ScriptedEngine:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError("the prompt is too long")
-        script = list(self.scripts.pop(0) if self.scripts else self.default)
+        script = self.scripts.pop(0) if self.scripts else self.default
+        # a tuple holds one script per choice (n > 1); a list is every choice's script
+        per_choice = [list(script[i % len(script)]) for i in range(params.n)] if isinstance(script, tuple) \
+            else [list(script)] * params.n
         self.prompts.append(list(ids))
         self.params.append(params)
-        self.groups[request_id] = {"ids": ids, "n": params.n, "script": script, "pos": [0] * params.n,
+        self.groups[request_id] = {"ids": ids, "n": params.n, "script": per_choice, "pos": [0] * params.n,
                                    "done": [False] * params.n, "params": params}
         self.stats["prompt_tokens"] += len(ids)
         return request_id
@@ -173,11 +174,11 @@ class ScriptedEngine:
                 if g["done"][i]:  # like the engine: a finished sequence keeps reporting its reason
                     comps.append(CompletionOutput(i, "", [], finish_reason=g["done"][i]))
                     continue
-                piece = g["script"][g["pos"][i]]
+                piece = g["script"][i][g["pos"][i]]
                 g["pos"][i] += 1
                 max_tokens = g["params"].max_tokens
                 finish = None
-                if g["pos"][i] >= len(g["script"]):
+                if g["pos"][i] >= len(g["script"][i]):
                     finish = "stop"
                 elif max_tokens is not None and g["pos"][i] >= max_tokens:
                     finish = "length"

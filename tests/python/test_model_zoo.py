@@ -14,12 +14,13 @@ llama3 rope_freqs) in F32, which must give the same tokens; and with every matri
 give the tokens of transformers run on the dequantized weights.
 
 FAMILY_CASES also feeds docs/supported_models.md (tests/python/gen_support_table.py); a test checks
-that the committed table is current.
+that the committed table is current. TALLOW_TEST_DEVICE=cuda runs the same checks with tallow on a GPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -38,7 +39,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidde
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.08,
               eos_token_id=1, bos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 WINDOW = 24
-ENGINE_ARGS = dict(num_kv_blocks=64, block_size=16, max_model_len=256)
+# TALLOW_TEST_DEVICE=cuda runs tallow's side on a GPU (still f32; the references stay on the CPU).
+DEVICE = os.environ.get("TALLOW_TEST_DEVICE", "cpu")
+ENGINE_ARGS = dict(num_kv_blocks=64, block_size=16, max_model_len=256, device=DEVICE, dtype="float32")
 
 
 @dataclasses.dataclass

@@ -171,6 +171,18 @@ def test_malformed_bodies(server, data, contains):
                      contains=contains)
 
 
+def test_enormous_strings_within_the_body_limit(server):
+    huge = "t5 " * 500_000  # 1.5 MB, under the 2 MB limit: tokenized, then refused for its length
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                       ("/v1/completions", {"prompt": huge}), ("/v1/embeddings", {"input": huge})]:
+        assert_error(post(server, path, body), 400, code=None, contains="context")
+    r = post(server, "/tokenize", {"prompt": huge})
+    assert r.status_code == 200 and r.json()["count"] == 500_000
+    # a long stop string is allowed; it just never matches
+    r = post(server, "/v1/completions", {"prompt": "t5", "max_tokens": 2, "stop": ["x" * 100_000]})
+    assert r.status_code == 200
+
+
 def test_unknown_model_route_and_method(server):
     err = assert_error(post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": MSGS}), 404,
                        param="model", code="model_not_found")

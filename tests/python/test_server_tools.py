@@ -61,7 +61,9 @@ class Scripted:
         self.client = openai.OpenAI(base_url=self.srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
 
     def script(self, *texts):
-        self.engine.scripts.extend(pieces(t) if isinstance(t, str) else list(t) for t in texts)
+        """Each text is cut into pieces; a list is taken as pieces; a tuple holds one per choice."""
+        self.engine.scripts.extend(pieces(t) if isinstance(t, str) else t if isinstance(t, tuple) else list(t)
+                                   for t in texts)
 
     def stop(self):
         self.srv.stop()
@@ -231,6 +233,29 @@ def test_n_choices_each_parse_their_own_calls(scripted):
         content, calls, finishes, _ = stream_tool_calls(chunks, choice=i)
         assert finishes == ["tool_calls"] and content == "Checking."
         assert [(calls[k][1], json.loads(calls[k][2])) for k in sorted(calls)] == EXPECTED
+
+
+def test_choices_that_finish_at_different_steps(scripted):
+    """n = 2 where one choice ends earlier: each choice gets exactly one finish chunk, in chat and in
+    completions, streamed and not."""
+    s = scripted()
+    short, long = ["a", "b"], ["c", "d", "e", "f"]
+    s.script((short, long), (short, long), (short, long), (short, long))
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, n=2)
+    assert [c.message.content for c in r.choices] == ["ab", "cdef"]
+    chunks = list(s.client.chat.completions.create(model="scripted", messages=MSGS, n=2, stream=True))
+    finishes = [(c.index, c.finish_reason) for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(finishes) == [(0, "stop"), (1, "stop")]
+    text = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+    assert text == {0: "ab", 1: "cdef"}
+    r = s.client.completions.create(model="scripted", prompt="t5", n=2)
+    assert [c.text for c in r.choices] == ["ab", "cdef"]
+    chunks = list(s.client.completions.create(model="scripted", prompt="t5", n=2, stream=True))
+    finishes = [(c.index, c.finish_reason) for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(finishes) == [(0, "stop"), (1, "stop")]
 
 
 # -- reasoning ---------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ class DecoderLayer:
 
 
 class RopeCaches:
-    """One cos/sin cache per distinct RoPE of the model (Gemma 3: local and global).
+    """One cos/sin cache per distinct RoPE of the model (Gemma 3: local and global), referred to by
+    index (layers hold the index, not the tensor, so moving the model to a device moves each cache once).
 
     LongRoPE (Phi-3) switches from the short to the long factors once a sequence is longer than
     original_max_position_embeddings (transformers picks by the current length). When the context
@@ -71,36 +72,41 @@ class RopeCaches:
     def __init__(self, cfg: ModelConfig, max_positions: int):
         self.max_positions = int(max_positions)
         self.rotary_dim = cfg.rotary_dim
-        self._by_rope: dict[RopeConfig, tallow.Tensor] = {}
-        self.longrope: dict[int, int] = {}  # id(cache) -> original_max_position_embeddings
+        self.caches: list[tallow.Tensor] = []
+        self.long_after: list[Optional[int]] = []  # per cache: LongRoPE's original context, when switching
+        self._index: dict[RopeConfig, int] = {}
 
-    def get(self, rope: RopeConfig) -> tallow.Tensor:
-        cache = self._by_rope.get(rope)
-        if cache is None:
+    def index(self, rope: RopeConfig) -> int:
+        """The index of `rope`'s cache (built on first use)."""
+        i = self._index.get(rope)
+        if i is None:
             n = self.max_positions
             orig = rope.original_max_position_embeddings
-            if rope.type == "longrope" and n > orig:
+            switching = rope.type == "longrope" and n > orig
+            if switching:
                 table = np.concatenate([build_cos_sin_cache(rope, self.rotary_dim, n, seq_len=orig),
                                         build_cos_sin_cache(rope, self.rotary_dim, n, seq_len=n)])
             else:
                 table = build_cos_sin_cache(rope, self.rotary_dim, n)
-            cache = tallow.from_numpy(np.ascontiguousarray(table))
-            if rope.type == "longrope" and n > orig:
-                self.longrope[id(cache)] = orig
-            self._by_rope[rope] = cache
-        return cache
+            i = self._index[rope] = len(self.caches)
+            self.caches.append(tallow.from_numpy(np.ascontiguousarray(table)))
+            self.long_after.append(orig if switching else None)
+        return i
 
-    def positions(self, positions: tallow.Tensor, meta: AttentionMetadata) -> dict:
-        """id(cache) -> the cache row of each token this step."""
-        out = {id(c): positions for c in self._by_rope.values()}
-        if self.longrope:
-            pos = _host(positions).astype(np.int64)
-            seq_lens = _host(meta.seq_lens).astype(np.int64)
-            counts = np.diff(_host(meta.query_start_loc).astype(np.int64))
-            for cid, orig in self.longrope.items():
+    def for_step(self, positions: tallow.Tensor, meta: AttentionMetadata) -> list[tuple]:
+        """(cache, row of each token in it) per cache index, for this step."""
+        out = []
+        for cache, orig in zip(self.caches, self.long_after):
+            rows = positions
+            if orig is not None:
+                seq_lens = _host(meta.seq_lens).astype(np.int64)
+                counts = np.diff(_host(meta.query_start_loc).astype(np.int64))
                 long_tok = np.repeat(seq_lens > orig, counts)
-                rows = tallow.from_numpy(np.ascontiguousarray(pos + long_tok * self.max_positions))
-                out[cid] = rows if positions.device == "cpu" else rows.to(positions.device)
+                rows = tallow.from_numpy(np.ascontiguousarray(_host(positions).astype(np.int64)
+                                                              + long_tok * self.max_positions))
+                if positions.device != "cpu":
+                    rows = rows.to(positions.device)
+            out.append((cache, rows))
         return out
 
 
@@ -164,8 +170,8 @@ class DecoderForCausalLM:
 
     def make_layer(self, w: dict, i: int) -> DecoderLayer:
         cfg, p = self.cfg, f"model.layers.{i}."
-        cos_sin = self.rope_caches.get(cfg.rope_for_layer(i))
-        attn = SelfAttention(cfg, w, p + "self_attn.", i, self.dtype, cos_sin, self.qk_norm_kind())
+        rope = self.rope_caches.index(cfg.rope_for_layer(i))
+        attn = SelfAttention(cfg, w, p + "self_attn.", i, self.dtype, rope, self.qk_norm_kind())
         mlp = GatedMLP.from_weights(w, p + "mlp.", self.dtype, cfg.hidden_act)
         parallel = cfg.use_parallel_residual
 
@@ -184,7 +190,7 @@ class DecoderForCausalLM:
         if self.q_scale_table is not None:
             q_scale = ops.embedding(positions, self.q_scale_table)
             q_scale = q_scale.view(q_scale.shape[0], 1, 1)
-        ctx = StepContext(positions, meta, self.rope_caches.positions(positions, meta), q_scale)
+        ctx = StepContext(positions, meta, self.rope_caches.for_step(positions, meta), q_scale)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, cache, ctx)
@@ -196,7 +202,9 @@ class DecoderForCausalLM:
         logits = ops.linear(hidden, self.lm_head, self.lm_head_bias)
         cap = self.cfg.final_logit_softcapping
         if cap:
-            # No tanh kernel yet: soft-cap on the host (the runner copies logits there anyway).
-            arr = _host(logits.to(tallow.float32) if logits.dtype != tallow.float32 else logits)
-            logits = tallow.from_numpy(np.ascontiguousarray(np.tanh(arr / np.float32(cap)) * np.float32(cap)))
+            # No tanh kernel yet: soft-cap on the host (the runner copies logits there anyway), and hand the
+            # result back on the logits' device.
+            arr = _host(logits if logits.dtype == tallow.float32 else logits.to(tallow.float32))
+            capped = tallow.from_numpy(np.ascontiguousarray(np.tanh(arr / np.float32(cap)) * np.float32(cap)))
+            logits = capped if logits.device == "cpu" else capped.to(logits.device)
         return logits

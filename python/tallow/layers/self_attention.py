@@ -20,7 +20,7 @@ class StepContext:
     """What every layer of one forward step shares besides the hidden states."""
     positions: tallow.Tensor  # i64 [T]: token positions
     meta: AttentionMetadata
-    rope_positions: dict  # id(cos/sin cache) -> row of each token in that cache (usually `positions`)
+    rope: list  # per RoPE cache index: (cos/sin cache, row of each token in it (usually `positions`))
     q_scale: Optional[tallow.Tensor] = None  # [T, 1, 1] per-token query multiplier (llama4 scaling)
 
 
@@ -31,10 +31,10 @@ class SelfAttention:
     qk_norm: None, "rms_norm" (q_norm/k_norm [head_dim], Qwen3), "gemma_rms_norm" (the same with (1 + w),
     Gemma 3) or "layer_norm" (StableLM's per-head LayerNorms q_layernorm.norms.{h} without bias)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, layer: int, dtype, cos_sin: tallow.Tensor,
+    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, layer: int, dtype, rope_index: int = 0,
                  qk_norm: Optional[str] = None):
         self.cfg = cfg
-        self.cos_sin = cos_sin
+        self.rope_index = rope_index  # which of the step's RoPE caches (StepContext.rope) this layer uses
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
@@ -78,7 +78,8 @@ class SelfAttention:
         q, k, v = (heads_view(t, n // d, d) for t, n in zip(split_last(qkv, self.sizes), self.sizes))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        ops.rotary_embedding(ctx.rope_positions[id(self.cos_sin)], q, k, self.cos_sin, self.cfg.rope_neox)
+        cos_sin, rows = ctx.rope[self.rope_index]
+        ops.rotary_embedding(rows, q, k, cos_sin, self.cfg.rope_neox)
         if ctx.q_scale is not None:
             q = ops.mul(q, ctx.q_scale)
         a = self.attn(q, k, v, kv_cache, ctx.meta)

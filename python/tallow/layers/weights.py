@@ -33,27 +33,39 @@ def concat_rows(tensors: list[tallow.Tensor]) -> tallow.Tensor:
 
 def move_to_device(obj, device: str, _seen=None):
     """Move every Tensor reachable from a model object's attributes (and lists/tuples/dicts of them)
-    to `device`, in place. Models are built on the host and moved once."""
+    to `device`, in place. Models are built on the host and moved once. A tensor reached twice (a
+    RoPE cache shared by layers, tied embeddings) is moved once and shared on the device too;
+    attributes that do not change are not reassigned (frozen dataclasses such as RopeConfig)."""
     if _seen is None:
-        _seen = set()
+        _seen = {}
     if id(obj) in _seen:
-        return obj
-    _seen.add(id(obj))
+        return _seen[id(obj)]
+    _seen[id(obj)] = obj  # cycles: an object under way stands for itself
     if isinstance(obj, tallow.Tensor):
-        return obj.to(device)
+        _seen[id(obj)] = moved = obj.to(device)
+        return moved
     if isinstance(obj, list):
         for i, v in enumerate(obj):
-            obj[i] = move_to_device(v, device, _seen)
+            moved = move_to_device(v, device, _seen)
+            if moved is not v:
+                obj[i] = moved
         return obj
     if isinstance(obj, tuple):
-        return tuple(move_to_device(v, device, _seen) for v in obj)
+        items = tuple(move_to_device(v, device, _seen) for v in obj)
+        if any(a is not b for a, b in zip(items, obj)):
+            _seen[id(obj)] = obj = items
+        return obj
     if isinstance(obj, dict):
-        for k, v in obj.items():
-            obj[k] = move_to_device(v, device, _seen)
+        for k, v in list(obj.items()):
+            moved = move_to_device(v, device, _seen)
+            if moved is not v:
+                obj[k] = moved
         return obj
     if hasattr(obj, "__dict__") and type(obj).__module__.startswith("tallow."):
-        for k, v in vars(obj).items():
-            setattr(obj, k, move_to_device(v, device, _seen))
+        for k, v in list(vars(obj).items()):
+            new = move_to_device(v, device, _seen)
+            if new is not v:
+                setattr(obj, k, new)
     return obj
 
 

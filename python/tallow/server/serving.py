@@ -62,7 +62,7 @@ def _check_capacity(st, n: int = 1) -> None:
                        code="server_busy", headers={"Retry-After": "1"})
 
 
-def _check_length(st, n_prompt: int, params, param: str) -> None:
+def _check_length(st, n_prompt: int, param: str) -> None:
     limit = st.max_model_len
     if n_prompt >= limit:
         raise bad_request(f"this model's maximum context length is {limit} tokens, and the prompt has {n_prompt} "
@@ -259,7 +259,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
                                logprobs=(top_logprobs or 0) if want_logprobs else None,
                                skip_special_tokens=skip_special)
-    _check_length(st, len(ids), params, "messages")
+    _check_length(st, len(ids), "messages")
     _check_capacity(st)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     rstream = await _add(st, {"prompt_token_ids": ids, "prompt": prompt_text}, params, rid)
@@ -413,7 +413,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             if bad is not None:
                 raise bad_request(f"prompt token id {bad} is out of range: this model's vocabulary has ids "
                                   f"0..{vocab - 1}", "prompt")
-        _check_length(st, len(ids), params, "prompt")
+        _check_length(st, len(ids), "prompt")
         inputs.append((ids, text))
     _check_capacity(st, len(inputs))
     cid = f"cmpl-{uuid.uuid4().hex}"
@@ -487,6 +487,7 @@ async def _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, inc
 
     offsets = [[len(e)] * n for e in echoes]
     started = [[False] * n for _ in inputs]
+    done = [[False] * n for _ in inputs]  # a finished completion keeps reporting its reason: send it once
     n_out, cached = 0, 0
     try:
         async for k, out in _merged(st, streams, t0):
@@ -494,6 +495,9 @@ async def _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, inc
                 cached += out.num_cached_tokens
             parts = []
             for o in out.outputs:
+                if done[k][o.index]:
+                    continue
+                done[k][o.index] = o.finish_reason is not None
                 text = o.text
                 if not started[k][o.index]:
                     started[k][o.index] = True
