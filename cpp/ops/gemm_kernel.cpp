@@ -30,11 +30,12 @@
 #endif
 
 #if TALLOW_GEMM_MULTI
+#define TALLOW_GEMM_PRAGMA(x) _Pragma(#x)
 #if defined(__clang__)
-#define TALLOW_GEMM_TARGET_BEGIN(T) _Pragma("clang attribute push(__attribute__((target(" #T "))), apply_to = function)")
+#define TALLOW_GEMM_TARGET_BEGIN(T) \
+  TALLOW_GEMM_PRAGMA(clang attribute push(__attribute__((target(T))), apply_to = function))
 #define TALLOW_GEMM_TARGET_END _Pragma("clang attribute pop")
 #else
-#define TALLOW_GEMM_PRAGMA(x) _Pragma(#x)
 #define TALLOW_GEMM_TARGET_BEGIN(T) _Pragma("GCC push_options") TALLOW_GEMM_PRAGMA(GCC target(T))
 #define TALLOW_GEMM_TARGET_END _Pragma("GCC pop_options")
 #endif

@@ -18,9 +18,9 @@
 // whole GEMM per task instead. Which operand plays "A" is chosen by packing cost: C^T = B^T·A^T is used
 // when that moves the transposing pack to the smaller operand (linear's x·W^T with M < N: W rows become
 // A micro-panels, copied; x is transposed into B panels, W x W blocks in registers).
-// Small M (decode, M <= 16) skips packing: with B columns K-contiguous (linear weights) each output is a
-// dot product streamed over W once, converting f16/bf16 on the fly; with B rows N-contiguous, an axpy
-// sweep. The same holds for N <= 16 through C^T.
+// Small M (decode: M <= 16, or <= 8 for row-major B) skips packing: with B columns K-contiguous (linear
+// weights) each output is a dot product streamed over W once, converting f16/bf16 on the fly; with B rows
+// N-contiguous, an axpy sweep. The same holds for small N through C^T.
 #ifndef TALLOW_OPS_GEMM_KERNEL_SHARED_H
 #define TALLOW_OPS_GEMM_KERNEL_SHARED_H
 #include <cstdint>
@@ -234,10 +234,25 @@ constexpr int64_t KC = 256;              // K slab
 constexpr int64_t MC = MR * (120 / MR);  // rows of A packed per slab (~120)
 constexpr int64_t NCT = 512;             // columns of the f32 C tile per task (multiple of NR)
 constexpr int64_t NCB = 2048;            // columns of B packed at a time (K x NCB floats, shared)
-constexpr int64_t kSmallM = 16;        // at most this many rows: GEMV paths, no packing
+// At most this many rows: GEMV paths, no packing (dot products over K-contiguous B columns; axpy sweeps
+// over N-contiguous B rows, which re-read B per 4 rows and so give way to packing sooner). Measured
+// crossovers with the packed GEMM at K = N = 2048 on AVX-512.
+constexpr int64_t kSmallM = 16;
+constexpr int64_t kSmallMAxpy = 8;
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Threads worth using for `flops` of work: below ~2 MFLOP (~10 microseconds on one core) waking the
+// pool costs more than it saves.
+static inline int useful_threads(double flops) { return flops < (double)(1 << 21) ? 1 : get_num_threads(); }
+
+// fn(begin, end) over [0, n) on the thread pool, or inline when threads == 1.
+template <class F>
+static inline void for_range(int threads, int64_t n, F&& fn) {
+  if (threads <= 1) fn(0, n);
+  else parallel_for(0, n, 1, fn);
+}
 
 // ---- packing ------------------------------------------------------------------------------------------
 
@@ -450,11 +465,10 @@ static inline Split split_work(int64_t M, int64_t npanels, int64_t tasks_wanted,
 
 // One GEMM of a batch on all threads: B blocks packed once, cooperatively; A packed per task.
 template <class T>
-static void packed_shared(const Problem& p, int64_t bt) {
+static void packed_shared(const Problem& p, int64_t bt, int threads) {
   const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
   const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
   T* c = static_cast<T*>(p.c) + (p.coff ? p.coff[bt] : 0);
-  const int threads = get_num_threads();
   const int64_t K = p.K;
   // B block width. Each block re-reads all of A, so with few rows (A small next to B) the blocks are kept
   // small enough (~2 MiB packed) to stay in cache between packing and use; with many rows, wide blocks
@@ -473,9 +487,9 @@ static void packed_shared(const Problem& p, int64_t bt) {
   float* bp = scratch(0, K * ncb_max);  // this thread's buffer, shared with the workers below
   for (int64_t j0 = 0; j0 < p.N; j0 += ncb_max) {
     const int64_t ncb = p.N - j0 < ncb_max ? p.N - j0 : ncb_max, npanels = ceil_div(ncb, NR);
-    parallel_for(0, npanels, 1, [&](int64_t q0, int64_t q1) { pack_b(b, p.rsb, p.csb, K, j0, ncb, q0, q1, bp); });
+    for_range(threads, npanels, [&](int64_t q0, int64_t q1) { pack_b(b, p.rsb, p.csb, K, j0, ncb, q0, q1, bp); });
     const Split sp = split_work(p.M, npanels, threads > 1 ? 2 * threads : 1, threads);
-    parallel_for(0, sp.nmb * sp.ng, 1, [&](int64_t t0, int64_t t1) {
+    for_range(threads, sp.nmb * sp.ng, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t ib = t / sp.ng, g = t % sp.ng;
         const int64_t i0 = ib * sp.mc, mc = p.M - i0 < sp.mc ? p.M - i0 : sp.mc;
@@ -488,8 +502,8 @@ static void packed_shared(const Problem& p, int64_t bt) {
 
 // Many GEMMs (batch >= 2 x threads): each task runs whole GEMMs of the batch on one thread.
 template <class T>
-static void packed_batched(const Problem& p) {
-  parallel_for(0, p.batch, 1, [&](int64_t b0, int64_t b1) {
+static void packed_batched(const Problem& p, int threads) {
+  for_range(threads, p.batch, [&](int64_t b0, int64_t b1) {
     for (int64_t bt = b0; bt < b1; ++bt) {
       const T* a = static_cast<const T*>(p.a) + (p.aoff ? p.aoff[bt] : 0);
       const T* b = static_cast<const T*>(p.b) + (p.boff ? p.boff[bt] : 0);
@@ -508,9 +522,10 @@ static void packed_batched(const Problem& p) {
 
 template <class T>
 static void run_packed(const Problem& p) {
-  const int threads = get_num_threads();
-  if (p.batch >= 2 * (int64_t)threads) return packed_batched<T>(p);
-  for (int64_t bt = 0; bt < p.batch; ++bt) packed_shared<T>(p, bt);
+  const int threads = useful_threads(2.0 * p.M * p.N * p.K * p.batch);
+  if (p.batch >= 2 * (int64_t)threads) return packed_batched<T>(p, threads);
+  const int per_gemm = useful_threads(2.0 * p.M * p.N * p.K);
+  for (int64_t bt = 0; bt < p.batch; ++bt) packed_shared<T>(p, bt, per_gemm);
 }
 
 // ---- small M, B columns K-contiguous (linear's weight): dot products -----------------------------------
@@ -588,8 +603,8 @@ static void dot_cols(const Problem& p, T* c, const T* bias, int64_t M, int64_t K
 constexpr int kAxpyNB = W >= 16 ? 4 : 2;  // vectors of columns per sweep (4 x NB accumulators)
 
 template <class T, int RM>
-static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t ldx, int64_t i0, const T* b,
-                      int64_t j0, int64_t j1) {
+static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const float* x, int64_t ldx, int64_t i0,
+                      const T* b, int64_t j0, int64_t j1) {
   constexpr int NB = kAxpyNB;
   const float* xr = x + i0 * ldx;
   auto emit = [&](int64_t j, const float* t, int64_t n, int64_t ldt) {
@@ -651,7 +666,7 @@ static void axpy_rows(const Problem& p, T* c, const T* bias, int64_t K, const fl
 
 template <class T, bool kDot>
 static void run_small(const Problem& p) {
-  const int threads = get_num_threads();
+  const int threads = useful_threads(2.0 * p.M * p.N * p.K * p.batch);
   const int64_t N = p.N, K = p.K, M = p.M;
   const int64_t quantum = kDot ? 8 : kAxpyNB * W;  // columns per unit of work
   int64_t nchunks = ceil_div(4 * (int64_t)threads, p.batch);
@@ -660,7 +675,7 @@ static void run_small(const Problem& p) {
   if (nchunks < 1) nchunks = 1;
   const int64_t chunk = round_up(ceil_div(N, nchunks), kDot ? 8 : kAxpyNB * W);
   nchunks = ceil_div(N, chunk);
-  parallel_for(0, p.batch * nchunks, 1, [&](int64_t t0, int64_t t1) {
+  for_range(threads, p.batch * nchunks, [&](int64_t t0, int64_t t1) {
     // A rows as f32 with unit column stride: used in place when they already are, else converted once
     // per batch per call.
     constexpr bool kF32 = std::is_same_v<T, float>;
@@ -750,9 +765,8 @@ static void run_t(const Problem& p0) {
   const Problem pt = transposed(p0);
   // GEMV paths (no packing) when one side is a few rows (decode): stream the other operand once.
   for (const Problem* q : {&p0, &pt}) {
-    if (q->M > kSmallM) continue;
-    if (q->rsb == 1 && q->K > 1) return run_small<T, true>(*q);
-    if (q->csb == 1) return run_small<T, false>(*q);
+    if (q->M <= kSmallM && q->rsb == 1 && q->K > 1) return run_small<T, true>(*q);
+    if (q->M <= kSmallMAxpy && q->csb == 1) return run_small<T, false>(*q);
   }
   if (pack_cost(pt) < 0.8 * pack_cost(p0)) run_packed<T>(pt);
   else run_packed<T>(p0);

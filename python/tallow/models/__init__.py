@@ -15,6 +15,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "mistral": ("tallow.models.mistral", "MistralForCausalLM"),
     "qwen2": ("tallow.models.qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("tallow.models.qwen3", "Qwen3ForCausalLM"),
+    "qwen2_moe": ("tallow.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("tallow.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("tallow.models.phi3", "Phi3ForCausalLM"),
     "gemma2": ("tallow.models.gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("tallow.models.gemma3", "Gemma3ForCausalLM"),
