@@ -47,8 +47,10 @@ int main() {
   const double min_s = quick ? 0.05 : 0.25;
   const int64_t H = 4096;
   std::mt19937 gen(99);
-  std::printf("rms_norm benchmark: hidden %lld, %d threads (median of >= %.2f s per row)\n\n", (long long)H,
-              get_num_threads(), min_s);
+  double load[1] = {0};
+  if (getloadavg(load, 1) < 1) load[0] = -1;
+  std::printf("rms_norm benchmark: hidden %lld, %d threads, load average %.2f (median of >= %.2f s per row)\n\n",
+              (long long)H, get_num_threads(), load[0], min_s);
   std::printf("%-9s %6s %12s %9s\n", "dtype", "rows", "us/call", "GB/s");
   for (DType dt : {DType::F32, DType::BF16}) {
     const Tensor w = random_tensor({H}, dt, gen);
