@@ -13,8 +13,9 @@ small CPU. nano-vllm's own figure uses --num-prompts 256 --input-len-min 100 --i
     python benchmarks/throughput.py --llamacpp               # same workload through llama-cpp-python
     python benchmarks/throughput.py --model m.gguf --num-prompts 64 --out result.json
 
---llamacpp runs benchmarks/throughput_llamacpp.py's loop in this process (one request after another:
-llama-cpp-python's high-level API has no batching across requests).
+--llamacpp runs benchmarks/throughput_llamacpp.py's loop in this process: one request after another
+(llama-cpp-python's high-level API has no batching across requests), or with --batched all requests
+decoded together through llama.cpp's low-level llama_batch API.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def run_tallow(args, prompts, out_lens) -> dict:
     return dict(engine="tallow", tallow_version=tallow.__version__, threads=tallow.get_num_threads(),
                 dtype=args.dtype, load_s=round(load_s, 3), elapsed_s=elapsed,
                 time_split_s={k: stats[k] for k in ("schedule_s", "model_s", "sample_s")},
-                steps=stats["steps"])
+                steps=stats["steps"], outputs_head=[o.outputs[0].token_ids[:8] for o in outs[:4]])
 
 
 def main(argv=None) -> int:
@@ -127,7 +128,11 @@ def main(argv=None) -> int:
     g.add_argument("--cprofile", default=None, metavar="FILE", help="cProfile the timed generate() into FILE")
     g = ap.add_argument_group("llama.cpp (--llamacpp)")
     g.add_argument("--n-batch", type=int, default=512, help="llama.cpp prompt batch size")
-    g.add_argument("--n-ctx", type=int, default=None, help="default: longest input + output, rounded up")
+    g.add_argument("--n-ctx", type=int, default=None,
+                   help="default: longest input + output (sequential) or all of them (--batched), rounded up")
+    g.add_argument("--batched", action="store_true",
+                   help="decode all requests together through llama.cpp's low-level API (llama_batch) "
+                        "instead of one after another through Llama.eval")
     args = ap.parse_args(argv)
     if not 1 <= args.input_len_min <= args.input_len_max or not 1 <= args.output_len_min <= args.output_len_max:
         ap.error("length ranges must satisfy 1 <= min <= max")
@@ -138,9 +143,9 @@ def main(argv=None) -> int:
     load0 = load_avg()
     if args.llamacpp:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from throughput_llamacpp import run_llamacpp
+        from throughput_llamacpp import run_llamacpp, run_llamacpp_batched
 
-        res = run_llamacpp(args, prompts, out_lens)
+        res = (run_llamacpp_batched if args.batched else run_llamacpp)(args, prompts, out_lens)
     else:
         res = run_tallow(args, prompts, out_lens)
     elapsed = res["elapsed_s"]

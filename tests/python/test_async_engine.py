@@ -1,5 +1,6 @@
 """AsyncEngine: the step loop in its own thread behind asyncio streams, on a tiny random Llama."""
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -122,10 +123,16 @@ def test_add_request_errors_reach_the_caller(model_dir):
             await ae.add_request("", SamplingParams())
         with pytest.raises(ValueError, match="out of range"):
             await ae.add_request({"prompt_token_ids": [5, 10_000]}, SamplingParams())
-        s = await ae.add_request("t5 t6", SamplingParams(max_tokens=3), "dup")
+        # Hold the engine thread so the first "dup" cannot finish (and free its id) before the second.
+        gate = threading.Event()
+        held = asyncio.ensure_future(ae.run_in_engine(lambda eng: gate.wait(30)))
+        first = asyncio.ensure_future(ae.add_request("t5 t6", SamplingParams(max_tokens=3), "dup"))
+        await asyncio.sleep(0.05)
         with pytest.raises(ValueError, match="already in use"):
             await ae.add_request("t5 t6", SamplingParams(max_tokens=3), "dup")
-        await collect(s)
+        gate.set()
+        await held
+        await collect(await first)
         ok = await ae.run_in_engine(pool_free)
         assert ae.num_unfinished == 0
         await ae.shutdown()
