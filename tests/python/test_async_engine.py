@@ -156,8 +156,15 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model_dir):
 
     async def main():
         ae = AsyncEngine(eng)
-        streams = [await ae.add_request(f"t{i + 5} t9", SamplingParams(max_tokens=50, ignore_eos=True))
-                   for i in range(3)]
+        # Hold the step thread until all three are queued, so the failing step holds all three.
+        gate = threading.Event()
+        held = asyncio.ensure_future(ae.run_in_engine(lambda _eng: gate.wait(30)))
+        adds = [asyncio.ensure_future(ae.add_request(f"t{i + 5} t9", SamplingParams(max_tokens=50, ignore_eos=True)))
+                for i in range(3)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await held
+        streams = [await a for a in adds]
         for s in streams:
             with pytest.raises(EngineStepError, match="boom in the model"):
                 await collect(s)
