@@ -28,11 +28,6 @@
 #include "ops_cuda.h"
 #endif
 
-#if defined(__GNUC__) || defined(__clang__)
-#define TALLOW_SM_INLINE inline __attribute__((always_inline))
-#else
-#define TALLOW_SM_INLINE __forceinline
-#endif
 #define TALLOW_SM_PRAGMA(x) _Pragma(#x)
 #if defined(_MSC_VER) && !defined(__clang__)
 #define TALLOW_SIMD_SUM(v) __pragma(omp simd reduction(+ : v))
