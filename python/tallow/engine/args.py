@@ -23,7 +23,10 @@ class EngineArgs:
     prefill_chunk_size: int = 8192
     prefix_cache: bool = True
     prefix_cache_max_tokens: Optional[int] = None
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float8_e4m3 (alias fp8; CUDA only)
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    cuda_graph_max_bs: Optional[int] = None  # largest decode batch captured (default: max_num_seqs)
+    load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shapes, made on the device)
     chat_template: Optional[str] = None
     yarn_scaling_factor: Optional[float] = None
     num_threads: Optional[int] = None
@@ -52,5 +55,13 @@ class EngineArgs:
             bad(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             bad(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "float8_e4m3"
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "float8_e4m3"):
+            bad(f"kv_cache_dtype must be auto, float16, bfloat16, float32 or fp8 (float8_e4m3), got {self.kv_cache_dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            bad(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            bad(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not (self.model or self.weights_dir or self.gguf_file):
             bad("no model given (model / --m, --w DIR or --f FILE)")

@@ -89,9 +89,15 @@ class LLMEngine:
         self.dtype = self._resolve_dtype(args.dtype, cfg, src.kind)
         kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else tallow._core.dtype(args.kv_cache_dtype)
 
-        # Weights: built on the host (fusing, dequantizing where needed), then moved once.
-        weights = load_weights(src)
+        # Weights: built on the host (fusing, dequantizing where needed), then moved once; dummy weights
+        # (load_format="dummy": random values of the checkpoint's shapes) are made on the device.
         model_positions = max(args.max_model_len or 0, cfg.max_position_embeddings)
+        if args.load_format == "dummy":
+            from tallow.loader.dummy import dummy_weights
+
+            weights = dummy_weights(cfg, self.dtype, self.device, seed=args.seed or 0)
+        else:
+            weights = load_weights(src)
         self.model = build_model(cfg, weights, self.dtype, max_positions=model_positions)
         del weights
         if self.device != "cpu":
@@ -99,42 +105,53 @@ class LLMEngine:
 
             move_to_device(self.model, self.device)
 
-        # KV cache: sized from the budget (--mem MB; on a GPU by default gpu_memory_fraction of the
-        # memory free after the weights); it must hold at least one max-length sequence.
         bs = args.block_size
+        if args.max_model_len and args.max_model_len > cfg.max_position_embeddings and not args.yarn_scaling_factor:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context "
+                             f"({cfg.max_position_embeddings}); use --yarn-scaling-factor to extend it")
+        max_len = args.max_model_len or cfg.max_position_embeddings
+        max_batched = args.max_num_batched_tokens or max(8192, args.prefill_chunk_size)
+        self.runner = ModelRunner(self.model, None, bs, kv_dtype, self.device, max_num_seqs=args.max_num_seqs,
+                                  max_num_tokens=max_batched, max_model_len=max_len)
+
+        # KV cache: sized from the budget (--mem MB; on a GPU by default gpu_memory_fraction of the
+        # memory free after the weights, less the peak of the largest step and the decode graphs'
+        # memory); it must hold at least one max-length sequence.
         per_block = ModelRunner.kv_bytes_per_block(cfg, bs, kv_dtype)
+        graph_bs = 0 if (self.device == "cpu" or args.enforce_eager) else min(
+            args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else args.max_num_seqs, args.max_num_seqs)
         if args.mem:
             budget = args.mem * 2**20
         elif self.device != "cpu":
-            from tallow import cuda
-
-            free, _total = cuda.mem_get_info(self.device)
-            budget = int(free * args.gpu_memory_fraction)
+            budget = self._gpu_kv_budget(args, max_batched, min(max_len, max_batched), graph_bs)
         else:
             budget = DEFAULT_CPU_KV_MB * 2**20
         num_blocks = args.num_kv_blocks or budget // per_block
         capacity = num_blocks * bs
-        max_len = args.max_model_len or cfg.max_position_embeddings
-        if args.max_model_len and args.max_model_len > cfg.max_position_embeddings and not args.yarn_scaling_factor:
-            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context "
-                             f"({cfg.max_position_embeddings}); use --yarn-scaling-factor to extend it")
         if capacity < max_len:
             if args.max_model_len:
                 raise ValueError(
-                    f"the KV cache ({args.mem or DEFAULT_CPU_KV_MB} MB = {capacity} tokens at "
+                    f"the KV cache ({budget // 2**20} MB = {capacity} tokens at "
                     f"{per_block // bs} bytes/token) cannot hold one sequence of max_model_len={max_len}; "
                     f"raise --mem to at least {-(-max_len * per_block // bs // 2**20)} MB or lower --max-model-len")
             max_len = capacity // bs * bs
             if max_len < bs:
-                raise ValueError(f"the KV cache budget ({args.mem} MB) holds less than one block of {bs} tokens "
-                                 f"({per_block} bytes); raise --mem")
+                raise ValueError(f"the KV cache budget ({budget // 2**20} MB) holds less than one block of {bs} "
+                                 f"tokens ({per_block} bytes); raise --mem")
             log.warning("max_model_len lowered to %d tokens to fit the KV cache (raise --mem for more)", max_len)
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, bs, args.prefix_cache, args.prefix_cache_max_tokens)
-        self.runner = ModelRunner(self.model, self.kv, num_blocks, bs, kv_dtype, self.device)
-        max_batched = args.max_num_batched_tokens or max(8192, args.prefill_chunk_size)
+        self.runner.kv = self.kv
+        self.runner.allocate_kv_cache(num_blocks)
+        if graph_bs:
+            self.runner.capture_graphs(graph_bs)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, max_batched, args.prefill_chunk_size), self.kv)
-        self.sampler = Sampler(cfg.vocab_size)
+        if self.device == "cpu":
+            self.sampler = Sampler(cfg.vocab_size)
+        else:
+            from tallow.engine.gpu_sampler import GpuSampler
+
+            self.sampler = GpuSampler(cfg.vocab_size)
         self.eos_ids = set(tok.eos_token_ids) | set(cfg.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
@@ -142,6 +159,23 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(args.seed)
         self.stats = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "steps": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
+
+    def _gpu_kv_budget(self, args: EngineArgs, max_batched: int, profile_len: int, graph_bs: int) -> int:
+        """Bytes for the KV cache on a GPU: gpu_memory_fraction of the memory free now (weights loaded),
+        less the peak of the largest prefill step and of the decode graphs (profiled, not guessed)."""
+        from tallow import cuda
+
+        free, _total = cuda.mem_get_info(self.device)
+        step_peak = self.runner.profile_peak_bytes(self.runner.profile_lens(max_batched, profile_len))
+        graph_peak = self.runner.profile_peak_bytes([1] * graph_bs) if graph_bs else 0
+        budget = int(free * args.gpu_memory_fraction) - step_peak - graph_peak
+        log.info("GPU memory: %.2f GiB free after weights; step peak %.2f GiB, decode graphs %.2f GiB; "
+                 "KV cache %.2f GiB", free / 2**30, step_peak / 2**30, graph_peak / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise ValueError(f"no GPU memory left for the KV cache: {free / 2**30:.2f} GiB free after the weights, "
+                             f"a {max_batched}-token step needs {step_peak / 2**30:.2f} GiB; lower "
+                             "--max-num-batched-tokens or raise --gpu-memory-fraction")
+        return budget
 
     @staticmethod
     def _check_device(device: str) -> str:
@@ -272,7 +306,7 @@ class LLMEngine:
         logits = self.runner.execute(out, to_sample)
         t2 = time.perf_counter()
         self.scheduler.after_step(out)
-        results = self.sampler.sample(logits, to_sample, self.eos_ids)
+        results = self.sampler.sample(logits, to_sample, self.eos_ids) if to_sample else []
         changed: dict[str, _Group] = {}
         for req, res in zip(to_sample, results):
             group, seq = self._seq_of[req.request_id]
@@ -391,16 +425,16 @@ class LLMEngine:
         try:
             table = np.asarray([b.block_id for b in blocks], dtype=np.int64)
             pos = np.arange(n, dtype=np.int64)
-            meta = AttentionMetadata(
-                slot_mapping=r._tensor(table[pos // bs] * bs + pos % bs),
-                block_tables=r._tensor(table.astype(np.int32)[None, :]),
-                seq_lens=r._tensor(np.asarray([n], dtype=np.int32)),
-                query_start_loc=r._tensor(np.asarray([0, n], dtype=np.int32)),
-                num_tokens=n)
-            hidden = self.model.forward(r._tensor(np.asarray(ids, dtype=np.int32)), r._tensor(pos), r.kv_caches, meta)
-            if self.args.device != "cpu":
-                hidden = hidden.to("cpu")
-            h = np.asarray(hidden.to("float32").numpy(), dtype=np.float32)
+            with r._on_stream():
+                meta = AttentionMetadata(
+                    slot_mapping=r.tensor(table[pos // bs] * bs + pos % bs),
+                    block_tables=r.tensor(table.astype(np.int32)[None, :]),
+                    seq_lens=r.tensor(np.asarray([n], dtype=np.int32)),
+                    query_start_loc=r.tensor(np.asarray([0, n], dtype=np.int32)),
+                    num_tokens=n)
+                hidden = self.model.forward(r.tensor(np.asarray(ids, dtype=np.int32)), r.tensor(pos), r.kv_caches,
+                                            meta)
+                h = np.asarray(hidden.to(tallow.float32).to("cpu").numpy(), dtype=np.float32)
         finally:
             pool.free_blocks(reversed(blocks))
         vec = h[-1] if pooling == "last" else h.mean(axis=0)

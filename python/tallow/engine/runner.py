@@ -1,6 +1,14 @@
 """Model runner: turns a scheduled step into one batched forward pass over the paged KV cache and
-returns the logits of the requests that need a next token."""
+returns the logits of the requests that need a next token.
+
+On a CUDA device every step runs on the runner's own stream; decode-only steps replay a CUDA graph
+of their batch-size bucket (cuda_graphs.py) unless graphs are off (enforce_eager), the batch is
+bigger than the largest bucket, or the model cannot be captured (it reads device data on the host:
+LongRoPE switching, final soft-capping, MoE routing)."""
 from __future__ import annotations
+
+import logging
+from typing import Optional
 
 import numpy as np
 
@@ -8,66 +16,217 @@ import tallow
 from tallow.engine.kv_cache_manager import KVCacheManager
 from tallow.engine.request import Request
 from tallow.engine.scheduler import SchedulerOutput
-from tallow.layers.attention import AttentionMetadata
+from tallow.engine.step_inputs import StepInputs
+
+log = logging.getLogger("tallow.engine")
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCacheManager, num_blocks: int, block_size: int, kv_dtype, device: str = "cpu"):
-        cfg = model.cfg
+    def __init__(self, model, kv: KVCacheManager, block_size: int, kv_dtype, device: str = "cpu", *,
+                 max_num_seqs: int = 256, max_num_tokens: int = 8192, max_model_len: int = 4096,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)):
         self.model = model
         self.kv = kv
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         self.device = device
-        shape = [num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim]
-        self.kv_caches = [(tallow.empty(shape, kv_dtype, device), tallow.empty(shape, kv_dtype, device))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_scales = kv_scales
+        self.kv_caches: list = []
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max(max_num_tokens, max_num_seqs)
+        self.width = -(-max_model_len // block_size)
+        self.stream = None
+        if device != "cpu":
+            from tallow import cuda
 
+            self.stream = cuda.Stream(tallow.Device(device).index)
+            cuda.set_index_checks(False)  # the runner builds every index itself; checks would sync
+        with self._on_stream():
+            self.inputs = StepInputs(self.max_num_tokens, max_num_seqs, self.width, device)
+        self.graphs = None
+        self.graphs_enabled = False
+        self.graph_batch_sizes: list[int] = []
+        self.stats = {"graph_steps": 0, "eager_steps": 0}
+
+    # -- KV cache ---------------------------------------------------------------------------------
     @staticmethod
     def kv_bytes_per_block(cfg, block_size: int, kv_dtype) -> int:
         return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.type_size
 
-    def _tensor(self, arr: np.ndarray) -> tallow.Tensor:
-        t = tallow.from_numpy(arr)
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model.cfg
+        shape = [num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim]
+        with self._on_stream():
+            self.kv_caches = [(tallow.empty(shape, self.kv_dtype, self.device),
+                               tallow.empty(shape, self.kv_dtype, self.device))
+                              for _ in range(cfg.num_hidden_layers)]
+
+    def _on_stream(self):
+        import contextlib
+
+        if self.stream is None:
+            return contextlib.nullcontext()
+        from tallow import cuda
+
+        return cuda.stream(self.stream)
+
+    def tensor(self, arr: np.ndarray) -> tallow.Tensor:
+        """A host array as a tensor on the model's device."""
+        t = tallow.from_numpy(np.ascontiguousarray(arr))
         return t if self.device == "cpu" else t.to(self.device)
 
-    def execute(self, out: SchedulerOutput, sample_reqs: list[Request]) -> np.ndarray:
-        """Run the model on every scheduled token; return float32 logits [len(sample_reqs), vocab]
-        for the requests whose sequence the step completes (in sample_reqs order)."""
-        bs = self.block_size
-        ids, pos, slots, seq_lens, qsl, tables = [], [], [], [], [0], []
+    # -- inputs -----------------------------------------------------------------------------------
+    def _fill(self, out: SchedulerOutput, sample_reqs: list[Request]) -> tuple[int, int, dict]:
+        """Write the step's indices into the host arrays; returns (tokens, sequences, last row of each request)."""
+        inp, bs = self.inputs, self.block_size
+        t = 0
         last_row: dict[str, int] = {}
-        for req in out.requests:
+        inp.qsl[0] = 0
+        for i, req in enumerate(out.requests):
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
-            tokens = req.all_token_ids[start:start + n]
             block_ids = self.kv.block_ids(req)
-            p = np.arange(start, start + n, dtype=np.int64)
-            table = np.asarray(block_ids, dtype=np.int64)
-            ids.append(np.asarray(tokens, dtype=np.int32))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            seq_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-            tables.append(block_ids)
-            last_row[req.request_id] = qsl[-1] - 1
-        max_blocks = max(len(t) for t in tables)
-        bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
-            block_tables=self._tensor(bt),
-            seq_lens=self._tensor(np.asarray(seq_lens, dtype=np.int32)),
-            query_start_loc=self._tensor(np.asarray(qsl, dtype=np.int32)),
-            num_tokens=qsl[-1],
-        )
-        hidden = self.model.forward(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)),
-                                    self.kv_caches, meta)
-        if not sample_reqs:
-            return np.zeros((0, self.model.cfg.vocab_size), dtype=np.float32)
-        rows = self._tensor(np.asarray([last_row[r.request_id] for r in sample_reqs], dtype=np.int64))
-        picked = tallow.ops.embedding(rows, hidden)  # gathers the rows that need logits
-        logits = self.model.compute_logits(picked)
+            nb = len(block_ids)
+            row = inp.bt[i]
+            row[:nb] = block_ids
+            if n == 1:
+                inp.ids[t] = req.all_token_ids[start]
+                inp.pos[t] = start
+                inp.slots[t] = block_ids[start // bs] * bs + start % bs
+            else:
+                inp.ids[t:t + n] = req.all_token_ids[start:start + n]
+                p = np.arange(start, start + n, dtype=np.int64)
+                inp.pos[t:t + n] = p
+                inp.slots[t:t + n] = row[p // bs].astype(np.int64) * bs + p % bs
+            t += n
+            inp.seq_lens[i] = start + n
+            inp.qsl[i + 1] = t
+            last_row[req.request_id] = t - 1
+        return t, len(out.requests), last_row
+
+    # -- running ----------------------------------------------------------------------------------
+    def _forward(self, num_tokens: int, num_seqs: int, num_rows: int, all_rows: bool) -> tallow.Tensor:
+        ids, pos, meta, rows = self.inputs.views(num_tokens, num_seqs, num_rows)
+        hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+        if not all_rows:
+            hidden = tallow.ops.embedding(rows, hidden)  # the rows that need logits
+        return self.model.compute_logits(hidden)
+
+    def execute(self, out: SchedulerOutput, sample_reqs: list[Request]):
+        """Run the model on every scheduled token; return the logits [len(sample_reqs), vocab] of the
+        requests whose sequence the step completes, in sample_reqs order: on the CPU a float32 numpy
+        array ([0, vocab] when none), on a GPU a device tensor in the model dtype (None when none)."""
+        logits = self._execute(out, sample_reqs)
         if self.device != "cpu":
-            logits = logits.to("cpu")
-        return np.asarray(logits.to("float32").numpy())
+            return logits
+        if logits is None:
+            return np.zeros((0, self.model.cfg.vocab_size), dtype=np.float32)
+        return np.asarray(logits.to(tallow.float32).numpy())
+
+    def _execute(self, out: SchedulerOutput, sample_reqs: list[Request]) -> Optional[tallow.Tensor]:
+        num_tokens, num_seqs, last_row = self._fill(out, sample_reqs)
+        inp = self.inputs
+        rows = [last_row[r.request_id] for r in sample_reqs]
+        decode_only = num_tokens == num_seqs and len(rows) == num_seqs and rows == list(range(num_seqs))
+        with self._on_stream():
+            bucket = self.graphs.bucket(num_seqs) if (self.graphs_enabled and decode_only) else None
+            if bucket is not None:
+                inp.fill_padding(num_seqs, bucket, num_tokens)
+                inp.upload(bucket)
+                logits = self.graphs.replay(bucket)
+                self.stats["graph_steps"] += 1
+                return logits.narrow(0, 0, num_seqs) if bucket != num_seqs else logits
+            self.stats["eager_steps"] += 1
+            if not rows:
+                inp.upload(num_seqs)
+                ids, pos, meta, _ = inp.views(num_tokens, num_seqs)
+                self.model.forward(ids, pos, self.kv_caches, meta)
+                return None
+            inp.rows[:len(rows)] = rows
+            inp.upload(num_seqs)
+            return self._forward(num_tokens, num_seqs, len(rows), decode_only)
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def graph_blockers(self) -> list[str]:
+        """Why this model cannot be captured (empty: it can)."""
+        m, why = self.model, []
+        if any(o is not None for o in getattr(getattr(m, "rope_caches", None), "long_after", [])):
+            why.append("LongRoPE switches tables by sequence length on the host")
+        if getattr(m.cfg, "final_logit_softcapping", None):
+            why.append("final logit soft-capping runs on the host")
+        if getattr(m.cfg, "num_experts", 0):
+            why.append("MoE routing runs on the host")
+        return why
+
+    def capture_graphs(self, max_bs: int) -> None:
+        from tallow.engine.cuda_graphs import DecodeGraphs, bucket_sizes
+
+        if self.device == "cpu" or max_bs <= 0:
+            return
+        why = self.graph_blockers()
+        if why:
+            log.warning("CUDA graphs off for this model: %s", "; ".join(why))
+            return
+        sizes = bucket_sizes(min(max_bs, self.max_num_seqs))
+        graphs = DecodeGraphs(self.device, self.stream)
+        inp = self.inputs
+
+        def prepare(bs: int) -> None:
+            inp.fill_padding(0, bs, 0)
+            inp.upload(bs)
+
+        try:
+            graphs.capture(sizes, lambda bs: self._forward(bs, bs, bs, True), prepare)
+        except Exception as e:  # a model doing host work mid-forward: stay eager
+            graphs.reset()
+            log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
+            return
+        self.graphs, self.graphs_enabled, self.graph_batch_sizes = graphs, True, graphs.sizes
+
+    def profile_peak_bytes(self, seq_lens: list[int]) -> int:
+        """Peak device memory (bytes above what is allocated now, the scratch KV cache excluded) of one
+        eager step prefilling sequences of seq_lens tokens (every sequence's last row sampled), run
+        against a scratch KV cache just large enough, which is freed again."""
+        from tallow import cuda
+
+        bs, inp = self.block_size, self.inputs
+        blocks = [-(-n // bs) for n in seq_lens]
+        saved = self.kv_caches
+        cuda.synchronize(self.device)
+        base = cuda.memory_allocated(self.device)
+        cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv_cache(sum(blocks))
+        scratch = cuda.memory_allocated(self.device) - base
+        t, first = 0, 0
+        inp.qsl[0] = 0
+        for i, (n, nb) in enumerate(zip(seq_lens, blocks)):
+            table = np.arange(first, first + nb, dtype=np.int32)
+            inp.bt[i, :nb] = table
+            p = np.arange(n, dtype=np.int64)
+            inp.ids[t:t + n] = 0
+            inp.pos[t:t + n] = p
+            inp.slots[t:t + n] = table[p // bs].astype(np.int64) * bs + p % bs
+            t += n
+            first += nb
+            inp.seq_lens[i] = n
+            inp.qsl[i + 1] = t
+        b = len(seq_lens)
+        inp.rows[:b] = inp.qsl[1:b + 1] - 1
+        try:
+            with self._on_stream():
+                inp.upload(b)
+                self._forward(t, b, b, t == b)
+            self.stream.synchronize()
+            peak = cuda.max_memory_allocated(self.device) - base - scratch
+        finally:
+            self.kv_caches = saved
+            cuda.empty_cache()
+        return max(0, int(peak))
+
+    def profile_lens(self, num_tokens: int, max_model_len: int) -> list[int]:
+        """Sequence lengths of the largest prefill step the scheduler can issue."""
+        lens, left = [], num_tokens
+        while left > 0 and len(lens) < self.max_num_seqs:
+            lens.append(min(left, max_model_len))
+            left -= lens[-1]
+        return lens
