@@ -3,13 +3,18 @@
 
   * device-to-device copy GB/s (bytes read + written) against the measured peak (the best
     contiguous copy, tallow's cudaMemcpyAsync path or torch's copy_, whichever is faster);
-  * GEMM TFLOP/s for the linear layers of an 8B model (Llama-3-8B: hidden 4096, 32/8 heads of 128,
-    MLP 14336, vocab 128256) at decode (M = 1, 8, 16) and prefill (M = 512, 4096) sizes, bf16,
-    side by side with torch.matmul(x, w.T) in the same run (target: >= 95% of torch);
+  * GEMM TFLOP/s and weight GB/s for the linear layers of Llama-3-8B (hidden 4096, 32/8 heads of 128,
+    MLP 14336, vocab 128256) and Qwen3-0.6B (hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151936)
+    at decode (M = 1 .. 64) and prefill (M = 512, 4096) sizes, bf16, side by side with
+    torch.matmul(x, w.T) in the same run (target: >= 95% of torch; decode: the weight streamed at
+    >= 95% of the copy peak). Decode sizes are timed as CUDA graphs of back-to-back calls (as the
+    engine launches them; a Python loop would time the launches) and, for M <= 16, also forced
+    through tallow's gemv kernel and through cuBLASLt. TALLOW_BENCH_GEMV_SWEEP=1 (with
+    tallow.cuda._c.set_gemv_config bound) also times gemv launch configurations per decode shape;
   * rms_norm, rotary_embedding, silu_and_mul GB/s (target: >= 80% of the copy bandwidth).
 
-Timing: CUDA events around `iters` calls, median of `reps` repetitions after warm-up; weights are
-rotated among copies so that each timed set exceeds the L2 cache. Inputs are random (never zeros).
+Timing: CUDA events around `iters` calls (or a graph replay), median of `reps` repetitions after
+warm-up; weights are rotated among copies so that each timed set exceeds the L2 cache. Inputs are random (never zeros).
 Every tallow result is also checked against torch (relative L2 error printed). torch is needed
 for the comparisons and for generating the data; without torch or a GPU the script says so and
 exits 0. Writes JSON to $TALLOW_BENCH_JSON when set.
@@ -95,41 +100,137 @@ def main() -> int:
     results["copy_peak_GB/s"] = peak
 
     # ---- GEMM ----------------------------------------------------------------------------------
-    layers = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
-              ("down_proj", 4096, 14336), ("lm_head", 128256, 4096)]
-    Ms = [1, 2, 4, 8, 16, 512, 4096]
-    for name, N, K in layers:
+    def tl_graph(fn, n):
+        """tallow: fn(0), ..., fn(n - 1) captured once as a CUDA graph (warmed up outside the capture)."""
+        fn(0)
+        tc.synchronize()
+        g = tc.CUDAGraph()
+        with tc.graph(g):
+            for i in range(n):
+                fn(i)
+        return g
+
+    def th_graph(fn, n):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(0)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n):
+                fn(i)
+        torch.cuda.synchronize()
+        return g
+
+    def time_graphs(graphs, n, reps=7):
+        """Median ms per call of each graph (n calls each), repetitions interleaved across the graphs.
+        Both libraries replay on the legacy default stream, which the events bracket."""
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+        tc.synchronize()
+        times = [[] for _ in graphs]
+        for _ in range(reps):
+            for k, g in enumerate(graphs):
+                s, e = tc.Event(enable_timing=True), tc.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times[k].append(s.elapsed_time(e) / n)
+        return [statistics.median(t) for t in times]
+
+    layers = [("Llama-3-8B", "qkv_proj", 6144, 4096), ("Llama-3-8B", "o_proj", 4096, 4096),
+              ("Llama-3-8B", "gate_up_proj", 28672, 4096), ("Llama-3-8B", "down_proj", 4096, 14336),
+              ("Llama-3-8B", "lm_head", 128256, 4096),
+              ("Qwen3-0.6B", "qkv_proj", 4096, 1024), ("Qwen3-0.6B", "o_proj", 1024, 2048),
+              ("Qwen3-0.6B", "gate_up_proj", 6144, 1024), ("Qwen3-0.6B", "down_proj", 1024, 3072),
+              ("Qwen3-0.6B", "lm_head", 151936, 1024)]
+    decode_Ms, prefill_Ms = [1, 2, 4, 8, 16, 32, 64], [512, 4096]
+    has_cfg = hasattr(tc._c, "gemv_config")
+    sweep = os.environ.get("TALLOW_BENCH_GEMV_SWEEP") == "1"
+    if sweep and not hasattr(tc._c, "set_gemv_config"):
+        print("bench_cuda: TALLOW_BENCH_GEMV_SWEEP=1 needs tallow.cuda._c.set_gemv_config; no sweep")
+        sweep = False
+    # Launch configurations for the sweep: the heuristic (""), a (warps, split) grid, then one knob at a time.
+    sweep_specs = [""] + [f"warps={w},split={s}" for w in (2, 4, 8, 16) for s in (1, 2, 4, 8)] + [
+        "unroll=2", "unroll=8", "rt=2,unroll=2", "rt=2,unroll=4", "rt=1", "policy=1", "pdl=1", "policy=1,pdl=1",
+        "target=8", "target=24", "target=32", "target=48"]
+    results["gemv_sweep"] = []
+    old_skinny = tc._c.skinny_max_m()
+    for model, name, N, K in layers:
         wbytes = N * K * 2
-        copies = max(1, min(8, -(-3 * l2 // wbytes)))  # enough copies that a timed set overflows L2
+        copies = max(1, min(64, -(-3 * l2 // wbytes)))  # a pass over the copies overflows L2, as in decode
         ws_t = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         ws = [tl(w) for w in ws_t]
-        for M in Ms:
-            if M >= 512 and name == "lm_head" and M > 512:
-                continue  # prefill computes logits for the last tokens only
+        n_calls = max(copies, 32)
+        for M in decode_Ms + prefill_Ms:
+            if M > 512 and (name == "lm_head" or model != "Llama-3-8B"):
+                continue  # prefill computes logits for the last tokens only; the small model stops at 512
             x_t = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             x = tl(x_t)
             out_t = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             out = tl(out_t)
-            iters = 20 if M <= 16 else 5
             flops = 2.0 * M * N * K
+            row = {"model": model, "layer": name, "M": M, "N": N, "K": K}
+            ref = torch.matmul(x_t, ws_t[0].T)
             tallow.ops.linear(x, ws[0], out=out)  # first call: plan (and, for large shapes, algorithm timing)
-            ms_th, ms_tl = time_pair(lambda i: torch.matmul(x_t, ws_t[i % copies].T, out=out_t),
-                                     lambda i: tallow.ops.linear(x, ws[i % copies], out=out), iters)
-            ref = out_t.clone()
-            err = rel(out_t, torch.matmul(x_t, ws_t[(iters - 1) % copies].T))
-            row = {"layer": name, "M": M, "N": N, "K": K, "tallow_TFLOP/s": flops / ms_tl / 1e9,
-                   "torch_TFLOP/s": flops / ms_th / 1e9, "ratio": ms_th / ms_tl, "rel_err_vs_torch": err,
-                   "tallow_weight_GB/s": wbytes / ms_tl / 1e6}
-            if M <= 16:  # the same product forced through each path, for the record
-                old = tc._c.skinny_max_m()
-                for label, limit in (("cublaslt", 0), ("skinny", 16)):
-                    tc._c.set_skinny_max_m(limit)
-                    ms_p = time_fn(lambda i: tallow.ops.linear(x, ws[i % copies], out=out), iters)
-                    row[f"{label}_TFLOP/s"] = flops / ms_p / 1e9
-                    row[f"{label}_weight_GB/s"] = wbytes / ms_p / 1e6
-                tc._c.set_skinny_max_m(old)
+            row["rel_err_vs_torch"] = rel(out_t, ref)
+
+            def lin(i):
+                tallow.ops.linear(x, ws[i % copies], out=out)
+
+            if M in decode_Ms:
+                graphs = [tl_graph(lin, n_calls),
+                          th_graph(lambda i: torch.matmul(x_t, ws_t[i % copies].T, out=out_t), n_calls)]
+                labels = ["tallow", "torch"]
+                if M <= 16:  # the same product forced through each path
+                    for label, limit in (("skinny", 16), ("cublaslt", 0)):
+                        tc._c.set_skinny_max_m(limit)
+                        tallow.ops.linear(x, ws[0], out=out)
+                        row[f"{label}_rel_err_vs_torch"] = rel(out_t, ref)
+                        graphs.append(tl_graph(lin, n_calls))
+                        labels.append(label)
+                    tc._c.set_skinny_max_m(old_skinny)
+                ms = dict(zip(labels, time_graphs(graphs, n_calls)))
+                for g in graphs:
+                    g.reset()
+                row["timing"] = "cuda graph"
+            else:
+                ms_th, ms_tl = time_pair(lambda i: torch.matmul(x_t, ws_t[i % copies].T, out=out_t), lin, 5)
+                ms = {"tallow": ms_tl, "torch": ms_th}
+                row["timing"] = "stream"
+            for label, t in ms.items():
+                row[f"{label}_TFLOP/s"] = flops / t / 1e9
+                row[f"{label}_weight_GB/s"] = wbytes / t / 1e6
+            row["ratio"] = ms["torch"] / ms["tallow"]
+            row["weight_pct_of_copy_peak"] = 100 * row["tallow_weight_GB/s"] / peak
+            if has_cfg and M <= 16:
+                row["gemv_config"] = tc._c.gemv_config(M, N, K)
             results["gemm"].append(row)
             del ref
+
+            if sweep and M in (1, 8, 16):
+                tc._c.set_skinny_max_m(16)
+                timed = {}
+                try:
+                    for spec in sweep_specs:
+                        tc._c.set_gemv_config(spec)
+                        eff = tc._c.gemv_config(M, N, K)
+                        if eff in timed:
+                            continue
+                        g = tl_graph(lin, n_calls)
+                        (t,) = time_graphs([g], n_calls, reps=5)
+                        g.reset()
+                        timed[eff] = {"spec": spec, "config": eff, "weight_GB/s": wbytes / t / 1e6}
+                finally:
+                    tc._c.set_gemv_config("")
+                    tc._c.set_skinny_max_m(old_skinny)
+                runs = sorted(timed.values(), key=lambda r: -r["weight_GB/s"])
+                heur = next(r for r in runs if r["spec"] == "")
+                results["gemv_sweep"].append({"model": model, "layer": name, "M": M, "N": N, "K": K,
+                                              "heuristic": heur, "best": runs[0], "runs": runs})
         del ws_t, ws
 
     # ---- memory-bound ops -----------------------------------------------------------------------
@@ -180,14 +281,23 @@ def main() -> int:
     print(f"copy peak (best contiguous D2D, read+write): {peak:.0f} GB/s")
     for r in results["copy"]:
         print(f"  {r['what']:<62} {r['GB/s']:8.0f} GB/s  {100 * r['ratio_to_peak']:5.1f}% of peak")
-    print("GEMM bf16 (x[M,K] @ w[N,K]^T), TFLOP/s:")
-    print(f"  {'layer':<13}{'M':>5}{'N':>8}{'K':>7}{'tallow':>9}{'torch':>9}{'ratio':>7}{'skinny':>8}{'cuBLASLt':>9}"
-          f"{'W GB/s':>8}{'err':>9}")
+    print("GEMM bf16 (x[M,K] @ w[N,K]^T): TFLOP/s of tallow and torch; tallow's weight GB/s and % of the copy peak;")
+    print("  M <= 64 timed as CUDA graphs; skinny/cuBLASLt: weight GB/s with tallow forced through gemv / cuBLASLt")
+    print(f"  {'model':<11}{'layer':<13}{'M':>5}{'N':>8}{'K':>7}{'tallow':>8}{'torch':>8}{'ratio':>7}{'W GB/s':>8}"
+          f"{'%peak':>7}{'skinny':>8}{'cuBLASLt':>9}{'err':>9}  gemv config")
     for r in results["gemm"]:
-        sk = f"{r['skinny_TFLOP/s']:8.1f}" if "skinny_TFLOP/s" in r else " " * 8
-        lt = f"{r['cublaslt_TFLOP/s']:9.1f}" if "cublaslt_TFLOP/s" in r else " " * 9
-        print(f"  {r['layer']:<13}{r['M']:>5}{r['N']:>8}{r['K']:>7}{r['tallow_TFLOP/s']:9.1f}{r['torch_TFLOP/s']:9.1f}"
-              f"{100 * r['ratio']:6.0f}%{sk}{lt}{r['tallow_weight_GB/s']:8.0f}{r['rel_err_vs_torch']:9.1e}")
+        sk = f"{r['skinny_weight_GB/s']:8.0f}" if "skinny_weight_GB/s" in r else " " * 8
+        lt = f"{r['cublaslt_weight_GB/s']:9.0f}" if "cublaslt_weight_GB/s" in r else " " * 9
+        print(f"  {r['model']:<11}{r['layer']:<13}{r['M']:>5}{r['N']:>8}{r['K']:>7}{r['tallow_TFLOP/s']:8.1f}"
+              f"{r['torch_TFLOP/s']:8.1f}{100 * r['ratio']:6.0f}%{r['tallow_weight_GB/s']:8.0f}"
+              f"{r['weight_pct_of_copy_peak']:6.1f}%{sk}{lt}{r['rel_err_vs_torch']:9.1e}  {r.get('gemv_config', '')}")
+    if results["gemv_sweep"]:
+        print("gemv launch sweep (weight GB/s, % of copy peak): heuristic vs best")
+        for r in results["gemv_sweep"]:
+            h, b = r["heuristic"], r["best"]
+            print(f"  {r['model']:<11}{r['layer']:<13}{r['M']:>3} heuristic {h['weight_GB/s']:6.0f} "
+                  f"{100 * h['weight_GB/s'] / peak:5.1f}% [{h['config']}]  best {b['weight_GB/s']:6.0f} "
+                  f"{100 * b['weight_GB/s'] / peak:5.1f}% [{b['config']}]")
     print("memory-bound ops:")
     for r in results["ops"]:
         print(f"  {r['op']:<62} {r['GB/s']:8.0f} GB/s  {100 * r['ratio_to_copy']:5.1f}% of copy peak")

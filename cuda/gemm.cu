@@ -7,9 +7,8 @@
 // one stride (0 for broadcast) become a strided batch. Plans (descriptors + the heuristic's algo)
 // are cached per shape/layout; a 32 MiB workspace per device is allocated once.
 //
-// Decode shapes (linear with M <= 16 rows, contiguous K) take tallow's own skinny kernel: each block
-// owns 4 output columns (rows of w) and its 128 threads split K; w is streamed once with 16-byte
-// loads, x (tiny) comes through L1, f32 accumulators, a block reduction, bias, one rounding.
+// Decode shapes (f16/bf16 linear with M <= skinny_max_m() rows, 16-byte rows) take tallow's own GEMV
+// kernel (gemv.cu), which streams w once at HBM bandwidth on the tensor cores.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -21,89 +20,13 @@
 #include <tuple>
 #include <vector>
 
-#include "gemm.cuh"
+#include "gemv.cuh"
 #include "launch.cuh"
 #include "ops_cuda.h"
 
 namespace tallow::cuda {
 
 namespace {
-
-// ---- skinny kernel -------------------------------------------------------------------------------
-constexpr int kSkinnyThreads = 128;
-constexpr int kSkinnyRows = 4;  // rows of w (output columns) per block
-
-template <class T, int MT>
-__global__ void __launch_bounds__(kSkinnyThreads) skinny_kernel(const T* __restrict__ x, int64_t ldx, int mcount,
-                                                                const T* __restrict__ w, int64_t ldw,
-                                                                const T* __restrict__ bias, T* __restrict__ out,
-                                                                int64_t ldo, int64_t N, int64_t K) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int R = kSkinnyRows;
-  const int64_t n0 = (int64_t)blockIdx.x * R;
-  float acc[MT][R];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
-  const T* wr[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) wr[r] = w + (n0 + r < N ? n0 + r : N - 1) * ldw;
-  const int64_t kvecs = K / VEC;
-#pragma unroll 2
-  for (int64_t kv = threadIdx.x; kv < kvecs; kv += kSkinnyThreads) {
-    const int64_t k = kv * VEC;
-    float wf[R][VEC];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint4 u = __ldcs(reinterpret_cast<const uint4*>(wr[r] + k));  // streamed once: evict first
-      unpack16<T>(u, wf[r]);
-    }
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      if (m < mcount) {
-        float xf[VEC];
-        unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + m * ldx + k)), xf);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
-      }
-    }
-  }
-  __shared__ float red[kSkinnyThreads / 32][MT * R];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = warp_sum(acc[m][r]);
-      if (lane == 0) red[warp][m * R + r] = s;
-    }
-  __syncthreads();
-  for (int i = threadIdx.x; i < MT * R; i += kSkinnyThreads) {
-    const int m = i / R, r = i % R;
-    const int64_t n = n0 + r;
-    if (m >= mcount || n >= N) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int q = 0; q < kSkinnyThreads / 32; ++q) s += red[q][i];
-    if (bias) s += to_float(bias[n]);
-    out[m * ldo + n] = from_float<T>(s);
-  }
-}
-
-template <class T>
-void launch_skinny(const T* x, int64_t ldx, int M, const T* w, int64_t ldw, const T* bias, T* out, int64_t ldo,
-                   int64_t N, int64_t K, cudaStream_t stream) {
-  const unsigned blocks = (unsigned)ceil_div(N, kSkinnyRows);
-  auto go = [&](auto kernel) { kernel<<<blocks, kSkinnyThreads, 0, stream>>>(x, ldx, M, w, ldw, bias, out, ldo, N, K); };
-  if (M <= 1) go(skinny_kernel<T, 1>);
-  else if (M <= 2) go(skinny_kernel<T, 2>);
-  else if (M <= 4) go(skinny_kernel<T, 4>);
-  else if (M <= 8) go(skinny_kernel<T, 8>);
-  else go(skinny_kernel<T, 16>);
-}
 
 // ---- cuBLASLt -----------------------------------------------------------------------------------
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
@@ -375,12 +298,11 @@ void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tenso
                                          kWorkspaceBytes, stream));
 }
 
+// Whether gemv takes o[M, N] = x2[M, K] * w[N, K]^T (o contiguous).
 bool skinny_ok(const Tensor& x2, const Tensor& w, const Tensor& o, int64_t M, int64_t K) {
-  if (M < 1 || M > skinny_max_m()) return false;
-  const int64_t vec = 16 / x2.element_size();
-  if (K % vec != 0 || w.stride(1) != 1 || x2.stride(-1) != 1) return false;
-  if ((w.stride(0) % vec) != 0 || (M > 1 && x2.stride(0) % vec != 0)) return false;
-  return aligned_to(w.data_ptr(), 16) && aligned_to(x2.data_ptr(), 16) && o.is_contiguous();
+  if (M < 1 || M > skinny_max_m() || !o.is_contiguous()) return false;
+  return gemv_supported(x2.dtype(), M, w.size(0), K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(),
+                        w.stride(0), w.stride(1), w.size(0));
 }
 
 }  // namespace
@@ -389,7 +311,7 @@ namespace {
 std::atomic<int>& skinny_limit() {
   static std::atomic<int> v{[] {
     const char* e = std::getenv("TALLOW_SKINNY_MAX_M");
-    return e ? std::atoi(e) : 2;
+    return e ? std::atoi(e) : 16;  // gemv is weight-bandwidth-bound up to M = 16 (cuBLASLt is not)
   }()};
   return v;
 }
@@ -418,13 +340,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bia
     return o;
   }
   if (skinny_ok(x2, w, o2, M, K)) {
-    TALLOW_CUDA_DISPATCH_FLOAT(op, x.dtype(), [&] {
-      using T = scalar_t;
-      launch_skinny<T>(static_cast<const T*>(x2.data_ptr()), x2.stride(0), (int)M, static_cast<const T*>(w.data_ptr()),
-                       w.stride(0), hb ? static_cast<const T*>(bc.data_ptr()) : nullptr, static_cast<T*>(o2.data_ptr()),
-                       N, N, K, ctx.stream);
-    });
-    TALLOW_CUDA_CHECK_LAUNCH(op);
+    gemv(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
+         o2.data_ptr(), N, N, K, ctx.stream);
     return o;
   }
   lt_gemm(op, x2, w.transpose(0, 1), hb ? &bc : nullptr, o2, M, N, K, ctx.stream);
@@ -465,12 +382,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out
     Tensor o2 = o.view({M, N});
     const Tensor wt = b2.transpose(0, 1);  // [N, K]
     if (skinny_ok(a2, wt, o2, M, K)) {
-      TALLOW_CUDA_DISPATCH_FLOAT(op, a.dtype(), [&] {
-        using T = scalar_t;
-        launch_skinny<T>(static_cast<const T*>(a2.data_ptr()), a2.stride(0), (int)M, static_cast<const T*>(wt.data_ptr()),
-                         wt.stride(0), nullptr, static_cast<T*>(o2.data_ptr()), N, N, K, ctx.stream);
-      });
-      TALLOW_CUDA_CHECK_LAUNCH(op);
+      gemv(a.dtype(), a2.data_ptr(), a2.stride(0), (int)M, wt.data_ptr(), wt.stride(0), nullptr, o2.data_ptr(), N, N,
+           K, ctx.stream);
       return o;
     }
   }

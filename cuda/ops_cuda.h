@@ -5,6 +5,7 @@
 #pragma once
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "core/tensor.h"
@@ -39,7 +40,7 @@ Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> ou
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
-// Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 2;
+// Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 16;
 // TALLOW_SKINNY_MAX_M sets it at start; 0 turns the skinny kernel off).
 int skinny_max_m();
 void set_skinny_max_m(int m);
@@ -52,16 +53,30 @@ Tensor layer_norm(const Tensor& x, const std::optional<Tensor>& w, const std::op
                   const std::optional<Tensor>& out = std::nullopt);
 // paged_attention.cu
 void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& slot_mapping);
+                       const Tensor& slot_mapping, float k_scale = 1.0f, float v_scale = 1.0f);
 Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window = 0,
-                       float softcap = 0.0f, const std::optional<Tensor>& out = {});
+                       float softcap = 0.0f, const std::optional<Tensor>& out = {}, float k_scale = 1.0f,
+                       float v_scale = 1.0f);
+// random.cu: t (contiguous float) = low + span * U[0,1) per element, key = ops::random_detail::seed_key(seed)
+void fill_uniform_(Tensor& t, float low, float span, uint64_t key);
 // rope.cu
 void rotary_embedding(const Tensor& positions, Tensor& q, std::optional<Tensor> k, const Tensor& cos_sin_cache,
                       bool neox);
+// sampling.cu (ops/sampling.h); set_sampling_buffer_capacity shrinks the candidate buffer (tests
+// use it to reach the multi-pass paths; n <= 0 restores the default)
+void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor& token_counts,
+                     const Tensor& repetition_penalty, const Tensor& frequency_penalty,
+                     const Tensor& presence_penalty);
+Tensor sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
+                     const Tensor& min_p, const Tensor& seeds, const Tensor& offsets);
+std::tuple<Tensor, Tensor, Tensor> logprobs(const Tensor& logits, const Tensor& token_ids, int64_t num_top);
+void set_sampling_buffer_capacity(int n);
 // softmax.cu
 Tensor softmax(const Tensor& x, float scale = 1.0f, float softcap = 0.0f,
                const std::optional<Tensor>& out = std::nullopt);
+// token_ids.cu
+void fill_from_previous_(const Tensor& ids, const Tensor& previous);
 // topk.cu
 Tensor argmax(const Tensor& x);
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);

@@ -1,9 +1,19 @@
 // reshape_and_cache and paged_attention on CUDA (contracts in cpp/ops/paged_attention.h).
-// paged_attention: one warp per (query token, query head), an online softmax over the keys the query
-// sees, read through the block table (f32 scores and accumulation). Slots and block ids are checked
-// before any write / read when the stream is not capturing a graph (the check reads back a device
-// flag); under capture, out-of-range slots are skipped and out-of-range blocks contribute nothing.
+//
+// paged_attention dispatch: i64 indices are cast to i32 on the device; then a decode batch (one
+// query row per sequence, T == B, read from shapes) goes to the split-KV decode kernel
+// (attention/decode.cu), other batches to the tensor-core prefill kernel (attention/prefill.cu);
+// what neither supports (f32 q, other head dims, ...) runs the simple kernel here: one warp per
+// (query token, query head), an online softmax over the keys it sees, read through the block table
+// (f32 scores and accumulation).
+// Slots, block ids, seq_lens and query_start_loc are checked before any write / read when the
+// stream is not capturing a graph (the check reads back a device flag); under capture out-of-range
+// slots are skipped and out-of-range blocks contribute nothing.
+#include <type_traits>
+
 #include "attention.cuh"
+#include "attention/decode.cuh"
+#include "attention/prefill.cuh"
 #include "launch.cuh"
 #include "ops_cuda.h"
 #include "paged_attention.cuh"
@@ -17,38 +27,112 @@ IndexArg index_arg(const Tensor& t) {
 }
 CacheArg cache_arg(const Tensor& t) { return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
 
+// ---- reshape_and_cache ------------------------------------------------------------------------------
+
 __global__ void check_slots_kernel(IndexArg slots, int64_t T, int64_t nslots, int* flag) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T; i += (int64_t)gridDim.x * blockDim.x)
     if (slots(i) >= nslots) atomicMax(flag, 1);
 }
 
+// The cache's value of x: fp8 caches hold x / scale (one f32 division, then e4m3 rounding).
+template <class C>
+__device__ __forceinline__ C cache_value(float x, float scale) {
+  if constexpr (std::is_same_v<C, F8E4M3>) return from_float<C>(x / scale);
+  else return from_float<C>(x);
+}
+
+// Eight consecutive elements, moved with the widest aligned accesses (16 bytes at most).
+template <class T>
+struct alignas(8 * sizeof(T) > 16 ? 16 : 8 * sizeof(T)) Pack8 {
+  T v[8];
+};
+
 template <class S, class C>
 __global__ void write_cache_kernel(const S* __restrict__ src, int64_t st, int64_t sh, IndexArg slots, int64_t T,
-                                   int64_t H, int64_t D, C* __restrict__ cache, CacheArg ca, int64_t bs, int64_t nslots) {
+                                   int64_t H, int64_t D, C* __restrict__ cache, CacheArg ca, int64_t bs,
+                                   int64_t nslots, float scale) {
   const int64_t n = T * H * D;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t d = i % D, h = (i / D) % H, t = i / (D * H);
     const int64_t slot = slots(t);
     if (slot < 0 || slot >= nslots) continue;
     const int64_t blk = slot / bs, row = slot % bs;
-    cache[blk * ca.sb + row * ca.sr + h * ca.sh + d] = from_float<C>(to_float(src[t * st + h * sh + d]));
+    cache[blk * ca.sb + row * ca.sr + h * ca.sh + d] = cache_value<C>(to_float(src[t * st + h * sh + d]), scale);
   }
 }
 
-// Sequences: every block id a sequence reads must be in range; flag 1 when not.
-__global__ void check_blocks_kernel(IndexArg bt, IndexArg seq_lens, int64_t B, int64_t BS, int64_t NB, int* flag) {
+// The same, eight elements a thread (D % 8 == 0, rows and strides aligned to Pack8).
+template <class S, class C>
+__global__ void write_cache_vec_kernel(const S* __restrict__ src, int64_t st, int64_t sh, IndexArg slots, int64_t T,
+                                       int64_t H, int64_t D, C* __restrict__ cache, CacheArg ca, int64_t bs,
+                                       int64_t nslots, float scale) {
+  const int64_t n8 = D / 8, n = T * H * n8;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t c = i % n8, h = (i / n8) % H, t = i / (n8 * H);
+    const int64_t slot = slots(t);
+    if (slot < 0 || slot >= nslots) continue;
+    const int64_t blk = slot / bs, row = slot % bs;
+    const Pack8<S> x = *reinterpret_cast<const Pack8<S>*>(src + t * st + h * sh + 8 * c);
+    Pack8<C> y;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) y.v[k] = cache_value<C>(to_float(x.v[k]), scale);
+    *reinterpret_cast<Pack8<C>*>(cache + blk * ca.sb + row * ca.sr + h * ca.sh + 8 * c) = y;
+  }
+}
+
+template <class T>
+bool pack8_ok(const Tensor& t, int64_t d) {
+  if (d % 8 != 0 || !aligned_to(t.data_ptr(), alignof(Pack8<T>))) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i)
+    if (t.stride(i) % 8 != 0) return false;
+  return true;
+}
+
+// f(q tag, cache tag) for the float dtypes (q) and the cache dtypes (also fp8).
+template <class F>
+void dispatch2(const char* op, DType a, DType b, F&& f) {
+  auto inner = [&](auto ta) {
+    switch (b) {
+      case DType::F32: return f(ta, float{});
+      case DType::F16: return f(ta, __half{});
+      case DType::BF16: return f(ta, __nv_bfloat16{});
+      case DType::F8E4M3: return f(ta, F8E4M3{});
+      default: throw TypeError(str_cat(op, ": unsupported dtype ", dtype_name(b), " on CUDA"));
+    }
+  };
+  switch (a) {
+    case DType::F32: return inner(float{});
+    case DType::F16: return inner(__half{});
+    case DType::BF16: return inner(__nv_bfloat16{});
+    default: throw TypeError(str_cat(op, ": unsupported dtype ", dtype_name(a), " on CUDA"));
+  }
+}
+
+// ---- paged_attention ----------------------------------------------------------------------------
+
+// Per sequence: query_start_loc non-decreasing from 0 to T (flag 3), seq_len between its new
+// tokens and the table's capacity (flag 2), every block id it reads in range (flag 1; entries
+// past its blocks and blocks wholly before its sliding window are not read, so not checked).
+__global__ void check_indices_kernel(IndexArg bt, IndexArg seq_lens, IndexArg qsl, int64_t B, int64_t T, int64_t BS,
+                                     int64_t NB, int64_t max_blocks, int64_t window, int* flag) {
   const int64_t b = blockIdx.x;
   if (b >= B) return;
-  const int64_t nblk = (seq_lens(b) + BS - 1) / BS;
-  for (int64_t i = threadIdx.x; i < nblk; i += blockDim.x) {
+  const int64_t q0 = qsl(b), n = qsl(b + 1) - q0, len = seq_lens(b);
+  if (threadIdx.x == 0) {
+    if (n < 0 || (b == 0 && q0 != 0) || (b == B - 1 && q0 + n != T)) atomicMax(flag, 3);
+    if (len < n || len > max_blocks * BS) atomicMax(flag, 2);
+  }
+  if (n <= 0 || len < n || len > max_blocks * BS) return;
+  const int64_t first = window > 0 ? (len - n - window + 1 > 0 ? len - n - window + 1 : 0) / BS : 0;
+  for (int64_t i = first + threadIdx.x; i < (len + BS - 1) / BS; i += blockDim.x) {
     const int64_t id = bt(b, i);
     if (id < 0 || id >= NB) atomicMax(flag, 1);
   }
 }
 
 struct PagedProblem {
-  int64_t T, Hq, Hk, D, Dv, B, BS, NB;
-  float scale, softcap;
+  int64_t T, Hq, Hk, D, Dv, B, BS, NB, max_blocks;
+  float scale, softcap, vscale;  // scale includes k_scale, vscale is v_scale (fp8 caches; else 1)
   int64_t window;
   const void* q;
   int64_t qst, qsh;
@@ -75,6 +159,7 @@ __global__ void paged_attention_kernel(PagedProblem P) {
   const int64_t q0 = P.qsl(b), nq = P.qsl(b + 1) - q0, len = P.seq_lens(b);
   const int64_t p = len - nq + (t - q0);
   int64_t lo = 0, hi = p + 1 < len ? p + 1 : len;
+  if (hi > P.max_blocks * P.BS) hi = P.max_blocks * P.BS;  // never past the block table
   if (P.window > 0) lo = p - P.window + 1 > 0 ? p - P.window + 1 : 0;
   if (hi < lo) hi = lo;
   const Q* q = static_cast<const Q*>(P.q) + t * P.qst + h * P.qsh;
@@ -114,32 +199,16 @@ __global__ void paged_attention_kernel(PagedProblem P) {
 #pragma unroll
   for (int jj = 0; jj < kPer; ++jj) {
     const int64_t d = lane + 32 * jj;
-    if (d < P.Dv) o[d] = from_float<Q>(any ? acc[jj] / l : 0.f);
+    if (d < P.Dv) o[d] = from_float<Q>(any ? acc[jj] * P.vscale / l : 0.f);
   }
 }
 
-template <class F>
-void dispatch2(const char* op, DType a, DType b, F&& f) {
-  auto inner = [&](auto ta) {
-    switch (b) {
-      case DType::F32: return f(ta, float{});
-      case DType::F16: return f(ta, __half{});
-      case DType::BF16: return f(ta, __nv_bfloat16{});
-      default: throw TypeError(str_cat(op, ": unsupported dtype ", dtype_name(b), " on CUDA"));
-    }
-  };
-  switch (a) {
-    case DType::F32: return inner(float{});
-    case DType::F16: return inner(__half{});
-    case DType::BF16: return inner(__nv_bfloat16{});
-    default: throw TypeError(str_cat(op, ": unsupported dtype ", dtype_name(a), " on CUDA"));
-  }
-}
+Tensor as_i32(const Tensor& t) { return t.dtype() == DType::I32 ? t : cast(t, DType::I32); }
 
 }  // namespace
 
 void reshape_and_cache(const Tensor& k_in, const Tensor& v_in, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& slot_mapping) {
+                       const Tensor& slot_mapping, float k_scale, float v_scale) {
   const char* op = "reshape_and_cache";
   OpContext ctx(k_in);
   const int64_t T = k_in.size(0), Hk = k_in.size(1), D = k_in.size(2), Dv = v_in.size(2);
@@ -154,44 +223,64 @@ void reshape_and_cache(const Tensor& k_in, const Tensor& v_in, const Tensor& k_c
   }
   if (T == 0 || Hk == 0) return;
   const Tensor k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
-  auto write = [&](const Tensor& src, const Tensor& cache, int64_t d) {
+  auto write = [&](const Tensor& src, const Tensor& cache, int64_t d, float scale) {
     if (d == 0) return;
     dispatch2(op, src.dtype(), cache.dtype(), [&](auto stag, auto ctag) {
       using S = decltype(stag);
       using C = decltype(ctag);
-      write_cache_kernel<S, C><<<grid_for(T * Hk * d, 256), 256, 0, ctx.stream>>>(
-          static_cast<const S*>(src.data_ptr()), src.stride(0), src.stride(1), slots, T, Hk, d,
-          static_cast<C*>(cache.data_ptr()), cache_arg(cache), bs, nslots);
+      const S* sp = static_cast<const S*>(src.data_ptr());
+      C* cp = static_cast<C*>(cache.data_ptr());
+      if (pack8_ok<S>(src, d) && pack8_ok<C>(cache, d))
+        write_cache_vec_kernel<S, C><<<grid_for(T * Hk * d / 8, 256), 256, 0, ctx.stream>>>(
+            sp, src.stride(0), src.stride(1), slots, T, Hk, d, cp, cache_arg(cache), bs, nslots, scale);
+      else
+        write_cache_kernel<S, C><<<grid_for(T * Hk * d, 256), 256, 0, ctx.stream>>>(
+            sp, src.stride(0), src.stride(1), slots, T, Hk, d, cp, cache_arg(cache), bs, nslots, scale);
     });
     TALLOW_CUDA_CHECK_LAUNCH(op);
   };
-  write(k, k_cache, D);
-  write(v, v_cache, Dv);
+  write(k, k_cache, D, k_scale);
+  write(v, v_cache, Dv, v_scale);
 }
 
 Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window,
-                       float softcap, const std::optional<Tensor>& out) {
+                       float softcap, const std::optional<Tensor>& out, float k_scale, float v_scale) {
   const char* op = "paged_attention";
   const Tensor q = last_dim_contiguous(q_in);
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), Hk = k_cache.size(2), Dv = v_cache.size(3);
-  const int64_t B = seq_lens.size(0);
-  TALLOW_CHECK(D <= kAttnMaxHeadDim && Dv <= kAttnMaxHeadDim, op, ": head dims up to ", kAttnMaxHeadDim,
-               " are supported on CUDA, got q", shape_str(q.shape()), " v_cache", shape_str(v_cache.shape()));
+  const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
   Tensor o = make_out(op, out, {T, Hq, Dv}, q.dtype(), q.device());
   if (o.numel() == 0) return o;
   OpContext ctx(q);
-  const IndexArg bt = index_arg(block_tables), sl = index_arg(seq_lens), qsl = index_arg(query_start_loc);
   if (B > 0 && index_checks() && !is_capturing(ctx.stream)) {
     DeviceFlag flag(q, ctx.stream);
-    check_blocks_kernel<<<(unsigned)B, 128, 0, ctx.stream>>>(bt, sl, B, BS, NB, flag.ptr());
+    check_indices_kernel<<<(unsigned)B, 128, 0, ctx.stream>>>(index_arg(block_tables), index_arg(seq_lens),
+                                                              index_arg(query_start_loc), B, T, BS, NB, max_blocks,
+                                                              sliding_window, flag.ptr());
     TALLOW_CUDA_CHECK_LAUNCH(op);
-    TALLOW_CHECK(flag.read() == 0, op, ": block_tables holds a block id out of range for k_cache",
-                 shape_str(k_cache.shape()), " (", NB, " blocks)");
+    const int bad = flag.read();
+    TALLOW_CHECK(bad != 3, op, ": query_start_loc must be non-decreasing from 0 to the number of query tokens (", T,
+                 ", q", shape_str(q.shape()), ")");
+    TALLOW_CHECK(bad != 2, op, ": a sequence's seq_lens is less than its new tokens or exceeds its block table (",
+                 max_blocks, " blocks of ", BS, " tokens, block_tables", shape_str(block_tables.shape()), ")");
+    TALLOW_CHECK(bad == 0, op, ": block_tables holds a block id out of range for k_cache", shape_str(k_cache.shape()),
+                 " (", NB, " blocks)");
   }
-  const PagedProblem P{T, Hq, Hk, D, Dv, B, BS, NB, scale, softcap, sliding_window, q.data_ptr(), q.stride(0),
-                       q.stride(1), cache_arg(k_cache), cache_arg(v_cache), bt, sl, qsl, o.data_ptr()};
+  const Tensor bt = as_i32(block_tables), sl = as_i32(seq_lens), qsl = as_i32(query_start_loc);
+  const bool f8 = k_cache.dtype() == DType::F8E4M3;
+  if (paged_decode_attention(o, q, k_cache, v_cache, bt, sl, qsl, scale, sliding_window, softcap, k_scale, v_scale))
+    return o;
+  if (paged_prefill_attention(o, q, k_cache, v_cache, bt, sl, qsl, scale, sliding_window, softcap, k_scale, v_scale))
+    return o;
+
+  TALLOW_CHECK(D <= kAttnMaxHeadDim && Dv <= kAttnMaxHeadDim, op, ": head dims up to ", kAttnMaxHeadDim,
+               " are supported on CUDA, got q", shape_str(q.shape()), " v_cache", shape_str(v_cache.shape()));
+  const PagedProblem P{T, Hq, Hk, D, Dv, B, BS, NB, max_blocks, f8 ? scale * k_scale : scale, softcap,
+                       f8 ? v_scale : 1.0f, sliding_window, q.data_ptr(), q.stride(0), q.stride(1),
+                       cache_arg(k_cache), cache_arg(v_cache), index_arg(bt), index_arg(sl), index_arg(qsl),
+                       o.data_ptr()};
   const unsigned blocks = (unsigned)ceil_div(T * Hq * 32, 128);
   dispatch2(op, q.dtype(), k_cache.dtype(), [&](auto qtag, auto ctag) {
     using Q = decltype(qtag);

@@ -1,4 +1,5 @@
-// Family status: CPU implementation complete and tested (tests/python/test_paged_attention.py).
+// Family status: CPU implementation complete and tested (tests/python/test_paged_attention.py,
+// test_paged_attention_fp8.py).
 // Paged attention and the KV-cache write on CPU (see paged_attention.h for the contracts).
 //
 // paged_attention, for every sequence b, kv head g and query i of b (position p = ctx_b + i,
@@ -90,11 +91,40 @@ void check_index(const char* op, const Tensor& t, const char* name, int64_t ndim
 
 void check_cache(const char* op, const Tensor& t, const char* name) {
   check_defined(op, t, name);
-  check_float(op, t, name);
+  TALLOW_CHECK_TYPE(t.dtype() == DType::F32 || t.dtype() == DType::F16 || t.dtype() == DType::BF16 ||
+                        t.dtype() == DType::F8E4M3,
+                    op, ": ", name, " must be float32, float16, bfloat16 or float8_e4m3, got ", dtype_name(t.dtype()),
+                    " tensor of shape ", shape_str(t.shape()));
   TALLOW_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
                shape_str(t.shape()));
   TALLOW_CHECK(t.stride(3) == 1 || t.size(3) <= 1, op, ": ", name, " of shape ", shape_str(t.shape()),
                " and strides ", shape_str(t.strides()), " needs a contiguous last dim");
+}
+
+void check_kv_scale(const char* op, float s, const char* name) {
+  TALLOW_CHECK(std::isfinite(s) && s > 0.0f, op, ": ", name, " must be finite and > 0, got ", s);
+}
+
+// Calls f(tag) with a value of the storage type of a KV-cache dtype (the float dtypes and fp8).
+template <class F>
+void dispatch_cache(const char* op, DType d, F&& f) {
+  switch (d) {
+    case DType::F32: return f(float{});
+    case DType::F16: return f(f16_t{});
+    case DType::BF16: return f(bf16_t{});
+    case DType::F8E4M3: return f(f8e4m3_t{});
+    default: throw TypeError(str_cat(op, ": unsupported cache dtype ", dtype_name(d)));
+  }
+}
+
+// f8e4m3 -> f32 for all 256 codes (a table lookup instead of the branchy decode, in the hot loop).
+const float* f8_table() {
+  static const auto table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[(size_t)i] = f8e4m3_to_f32((uint8_t)i);
+    return t;
+  }();
+  return table.data();
 }
 
 // ---- reshape_and_cache --------------------------------------------------------------------------
@@ -105,8 +135,14 @@ TALLOW_SIMD_CLONES void convert_row(const S* TALLOW_RESTRICT a, D* TALLOW_RESTRI
   for (int64_t d = 0; d < n; ++d) o[d] = from_f32<D>(to_f32(a[d]));
 }
 
+// FP8 rows hold x / scale (one f32 division, then one rounding to e4m3: nearest even, saturating).
+template <class S>
+void convert_row_f8(const S* TALLOW_RESTRICT a, f8e4m3_t* TALLOW_RESTRICT o, int64_t n, float scale) {
+  for (int64_t d = 0; d < n; ++d) o[d] = from_f32<f8e4m3_t>(to_f32(a[d]) / scale);
+}
+
 template <class S, class D>
-void write_rows(const Tensor& src, const Tensor& cache, const std::vector<int64_t>& slots, int64_t bs) {
+void write_rows(const Tensor& src, const Tensor& cache, const std::vector<int64_t>& slots, int64_t bs, float scale) {
   const int64_t T = src.size(0), H = src.size(1), n = src.size(2);
   const int64_t sst = src.stride(0), ssh = src.stride(1);
   const CacheView c = cache_view(cache);
@@ -115,16 +151,19 @@ void write_rows(const Tensor& src, const Tensor& cache, const std::vector<int64_
   parallel_rows(T * H, n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t t = r / H, h = r % H, s = slots[(size_t)t];
-      if (s >= 0) convert_row<S, D>(sbase + t * sst + h * ssh, cbase + (s / bs) * c.sb + (s % bs) * c.sr + h * c.sh, n);
+      if (s < 0) continue;
+      D* dst = cbase + (s / bs) * c.sb + (s % bs) * c.sr + h * c.sh;
+      if constexpr (std::is_same_v<D, f8e4m3_t>) convert_row_f8<S>(sbase + t * sst + h * ssh, dst, n, scale);
+      else convert_row<S, D>(sbase + t * sst + h * ssh, dst, n);
     }
   });
 }
 
 void write_cache(const char* op, const Tensor& src, const Tensor& cache, const std::vector<int64_t>& slots,
-                 int64_t bs) {
+                 int64_t bs, float scale) {
   TALLOW_DISPATCH_FLOAT(op, src.dtype(), [&] {
     using S = scalar_t;
-    TALLOW_DISPATCH_FLOAT(op, cache.dtype(), [&] { write_rows<S, scalar_t>(src, cache, slots, bs); });
+    dispatch_cache(op, cache.dtype(), [&](auto tag) { write_rows<S, decltype(tag)>(src, cache, slots, bs, scale); });
   });
 }
 
@@ -132,7 +171,8 @@ void write_cache(const char* op, const Tensor& src, const Tensor& cache, const s
 
 struct Problem {
   int64_t Hq, Hk, D, Dv, BS, group, window;
-  float scale, softcap;
+  float scale, softcap;  // scale includes k_scale for fp8 caches
+  float vscale;          // v_scale for fp8 caches (1 otherwise), applied to the normalised output
   const void* q;
   int64_t qst, qsh;  // q strides of token and head
   CacheView k, v;
@@ -178,8 +218,13 @@ PA_INLINE void gather_rows(const Problem& P, const CacheView& c, int64_t n, int6
     } else {
       float* TALLOW_RESTRICT dst = buf.data() + (j - t0) * n;
       const C* TALLOW_RESTRICT s = src;
-      TALLOW_PRAGMA_SIMD
-      for (int64_t d = 0; d < n; ++d) dst[d] = to_f32(s[d]);
+      if constexpr (std::is_same_v<C, f8e4m3_t>) {
+        const float* lut = f8_table();
+        for (int64_t d = 0; d < n; ++d) dst[d] = lut[s[d].bits];
+      } else {
+        TALLOW_PRAGMA_SIMD
+        for (int64_t d = 0; d < n; ++d) dst[d] = to_f32(s[d]);
+      }
       ptrs[(size_t)(j - t0)] = dst;
     }
   }
@@ -480,7 +525,7 @@ TALLOW_SIMD_CLONES void attend_item(const Problem& P, const Seq& s, const Item& 
   Q* obase = static_cast<Q*>(P.out);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t hh = r % G, i = it.i0 + (r / G) % nq, g = it.g0 + r / (G * nq);
-    const float l = S.l[(size_t)r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float l = S.l[(size_t)r], inv = l > 0.0f ? P.vscale / l : 0.0f;
     const float* TALLOW_RESTRICT av = S.acc.data() + r * Dv;
     Q* TALLOW_RESTRICT o = obase + ((s.q0 + i) * P.Hq + g * G + hh) * Dv;
     TALLOW_PRAGMA_SIMD
@@ -508,7 +553,7 @@ void merge_parts(const Problem& P, const Seq& s, const Merge& mg, const float* p
         for (int64_t d = 0; d < Dv; ++d) acc[(size_t)d] += w * src[2 + d];
       }
     }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const float inv = L > 0.0f ? P.vscale / L : 0.0f;
     const int64_t i = mg.i0 + (r / G) % nq, h = (mg.g0 + r / (G * nq)) * G + r % G;
     Q* o = obase + ((s.q0 + i) * P.Hq + h) * Dv;
     for (int64_t d = 0; d < Dv; ++d) o[d] = from_f32<Q>(acc[(size_t)d] * inv);
@@ -608,7 +653,7 @@ void run_paged(const Problem& P, const std::vector<Seq>& seqs) {
 }  // namespace
 
 void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& slot_mapping) {
+                       const Tensor& slot_mapping, float k_scale, float v_scale) {
   const char* op = "reshape_and_cache";
   check_defined(op, k, "k");
   check_defined(op, v, "v");
@@ -631,8 +676,11 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
   TALLOW_CHECK(slot_mapping.size(0) == T, op, ": slot_mapping", shape_str(slot_mapping.shape()), " must have one slot per token of k",
                shape_str(k.shape()));
   for (const Tensor* t : {&v, &k_cache, &v_cache, &slot_mapping}) check_same_device(op, k, *t);
+  check_kv_scale(op, k_scale, "k_scale");
+  check_kv_scale(op, v_scale, "v_scale");
 #ifdef TALLOW_WITH_CUDA
-  if (k.device().type == DeviceType::CUDA) return cuda::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping);
+  if (k.device().type == DeviceType::CUDA)
+    return cuda::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 #endif
   if (!k.device().is_cpu()) unsupported_device(op, k);
 
@@ -647,13 +695,13 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
   }
   if (T == 0 || Hk == 0) return;
   auto inner = [](const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); };
-  write_cache(op, inner(k), k_cache, slots, bs);
-  write_cache(op, inner(v), v_cache, slots, bs);
+  write_cache(op, inner(k), k_cache, slots, bs, k_scale);
+  write_cache(op, inner(v), v_cache, slots, bs, v_scale);
 }
 
 Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window,
-                       float softcap, const std::optional<Tensor>& out) {
+                       float softcap, const std::optional<Tensor>& out, float k_scale, float v_scale) {
   const char* op = "paged_attention";
   check_defined(op, q_in, "q");
   check_float(op, q_in, "q");
@@ -680,13 +728,17 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
   TALLOW_CHECK(sliding_window >= 0, op, ": sliding_window must be >= 0 (0 = no window), got ", sliding_window);
   TALLOW_CHECK(softcap >= 0.0f && std::isfinite(softcap), op, ": softcap must be >= 0 (0 = none), got ", softcap);
   TALLOW_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_kv_scale(op, k_scale, "k_scale");
+  check_kv_scale(op, v_scale, "v_scale");
   const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
   TALLOW_CHECK(block_tables.size(0) == B && query_start_loc.size(0) == B + 1, op,
                ": block_tables must be [B, max_blocks], seq_lens [B] and query_start_loc [B + 1]; got block_tables",
                shape_str(block_tables.shape()), " seq_lens", shape_str(seq_lens.shape()), " query_start_loc",
                shape_str(query_start_loc.shape()));
 #ifdef TALLOW_WITH_CUDA
-  if (q_in.device().type == DeviceType::CUDA) return cuda::paged_attention(q_in, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap, out);
+  if (q_in.device().type == DeviceType::CUDA)
+    return cuda::paged_attention(q_in, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                                 softcap, out, k_scale, v_scale);
 #endif
   if (!q_in.device().is_cpu()) unsupported_device(op, q_in);
 
@@ -717,11 +769,14 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
   const Tensor q = q_in.size(-1) <= 1 || q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
   Tensor o = make_out(op, out, {T, Hq, Dv}, q.dtype(), q.device());
   if (o.numel() == 0) return o;
-  const Problem P{Hq, Hk, D, Dv, BS, Hq / Hk, sliding_window, scale, softcap, q.data_ptr(), q.stride(0),
+  // Scales apply to fp8 caches only: k_scale folds into the score scale, v_scale into the output.
+  const bool f8 = k_cache.dtype() == DType::F8E4M3;
+  const Problem P{Hq, Hk, D, Dv, BS, Hq / Hk, sliding_window, f8 ? scale * k_scale : scale, softcap,
+                  f8 ? v_scale : 1.0f, q.data_ptr(), q.stride(0),
                   q.stride(1), cache_view(k_cache), cache_view(v_cache), bt, o.data_ptr()};
   TALLOW_DISPATCH_FLOAT(op, q.dtype(), [&] {
     using Q = scalar_t;
-    TALLOW_DISPATCH_FLOAT(op, k_cache.dtype(), [&] { run_paged<Q, scalar_t>(P, seqs); });
+    dispatch_cache(op, k_cache.dtype(), [&](auto tag) { run_paged<Q, decltype(tag)>(P, seqs); });
   });
   return o;
 }

@@ -7,6 +7,8 @@
 #include <stdexcept>
 
 #ifdef TALLOW_WITH_CUDA
+#include "gemv.cuh"
+#include "host_async.h"
 #include "ops_cuda.h"
 #include "runtime.h"
 #endif
@@ -75,6 +77,16 @@ void bind_cuda(py::module_& m) {
   c.def("index_checks", &index_checks);
   c.def("set_index_checks", &set_index_checks, py::arg("on"),
         "Validate positions/ids/slots/block ids on the device and raise before returning (default on)");
+  c.def("set_gemv_config", &set_gemv_config, py::arg("spec"),
+        "Override the decode GEMV launch config ('warps=8,split=2,...'; '' restores the heuristic)");
+  c.def("gemv_config", &gemv_config, py::arg("m"), py::arg("n"), py::arg("k"),
+        "The decode GEMV launch config chosen for an [m, k] x [n, k]^T product");
+  c.def("empty_pinned", [](const tallow::Shape& shape, const py::object& dtype) {
+    return empty_pinned(shape, py::module_::import("tallow._core").attr("dtype")(dtype).cast<tallow::DType>());
+  }, py::arg("shape"), py::arg("dtype") = "float32", "A CPU tensor in page-locked memory (fast, asynchronous copies)");
+  c.def("copy_to_host_async", &copy_to_host_async, py::arg("dst"), py::arg("src"),
+        "Queue src (CUDA, contiguous) -> dst (CPU, pinned) on the current stream without waiting; "
+        "record an Event after it and synchronize that before reading dst");
   c.def("empty_cache", &empty_cache, "Return cached device blocks (not graph pools') to the driver");
 
   py::class_<Stream, std::shared_ptr<Stream>>(c, "Stream", "A CUDA stream (non-blocking)")
@@ -129,7 +141,7 @@ void bind_cuda(py::module_& m) {
   c.def("device_count", [] { return 0; });
   const char* why = "this build of tallow has no CUDA backend (built without nvcc and cuBLAS, or with TALLOW_CUDA=OFF)";
   for (const char* name : {"current_device", "set_device", "mem_get_info", "synchronize", "get_device_properties",
-                           "memory_stats", "reset_peak_memory_stats", "empty_cache", "current_stream",
+                           "memory_stats", "reset_peak_memory_stats", "empty_cache", "empty_pinned", "copy_to_host_async", "current_stream",
                            "set_current_stream", "default_stream", "graph_pool_handle", "Stream", "Event",
                            "CUDAGraph"}) {
     std::string msg = std::string(name) + ": " + why;

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "ops/ops.h"
+#include "ops/token_ids.h"
 #include "python/convert.h"
 
 namespace py = pybind11;
@@ -42,4 +43,6 @@ void bind_ops(py::module_& m) {
         py::arg("causal") = true, py::arg("sliding_window") = 0, py::arg("softcap") = 0.0f);
   m.def("argmax", &ops::argmax, py::arg("x"));
   m.def("topk", &ops::topk, py::arg("x"), py::arg("k"));
+  m.def("fill_from_previous_", &ops::fill_from_previous_, py::arg("ids"), py::arg("previous"),
+        "In place: ids[t] < 0 becomes previous[-ids[t] - 1] (tokens sampled by the previous step, still on the device)");
 }

@@ -11,6 +11,8 @@ void bind_ops(py::module_& m);
 void bind_backends(py::module_& m);
 void bind_cuda(py::module_& m);
 void bind_paged_attention(py::module_& m);
+void bind_sampling(py::module_& m);
+void bind_random(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tallow's C++ core: tensors and ops";
@@ -33,6 +35,8 @@ PYBIND11_MODULE(_core, m) {
   bind_tensor(m);
   bind_ops(m);
   bind_paged_attention(m);
+  bind_sampling(m);
+  bind_random(m);
   bind_backends(m);
   bind_cuda(m);
 }

@@ -99,6 +99,17 @@ def empty_cache() -> None:
     _c.empty_cache()
 
 
+def empty_pinned(shape, dtype="float32"):
+    """A CPU tensor in page-locked memory: the target of copy_to_host_async."""
+    return _c.empty_pinned(list(shape), dtype)
+
+
+def copy_to_host_async(dst, src) -> None:
+    """Queue src (CUDA) -> dst (pinned CPU) on the current stream and return at once; record an
+    Event after it and synchronize that before reading dst."""
+    _c.copy_to_host_async(dst, src)
+
+
 def set_index_checks(on: bool) -> None:
     """Turn the device-side validation of rotary positions, embedding ids and paged-KV slots/block ids
     on (default) or off. On, each such op reads a flag back (a wait on the stream) to raise
@@ -197,6 +208,6 @@ class graph:
 __all__ = [
     "built", "is_available", "device_count", "current_device", "set_device", "mem_get_info", "synchronize",
     "get_device_properties", "get_device_name", "memory_stats", "memory_allocated", "max_memory_allocated",
-    "memory_reserved", "reset_peak_memory_stats", "empty_cache", "set_index_checks", "index_checks", "Stream", "Event", "CUDAGraph", "GraphPool",
+    "memory_reserved", "reset_peak_memory_stats", "empty_cache", "empty_pinned", "copy_to_host_async", "set_index_checks", "index_checks", "Stream", "Event", "CUDAGraph", "GraphPool",
     "current_stream", "default_stream", "set_stream", "stream", "graph_pool_handle", "graph",
 ]

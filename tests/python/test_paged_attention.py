@@ -356,3 +356,194 @@ def test_reshape_and_cache_bad_input(rng):
             ops.reshape_and_cache(*args)
     # nothing was written by the failed calls
     assert np.all(kc.numpy() == 1.0)
+
+
+# ---- CUDA: the split-KV decode kernel (cuda/attention/decode.cu) against the CPU op --------------
+#
+# Decode batches (one new token per sequence) on CUDA, compared with the CPU op on the same inputs
+# (q converted to float32 exactly; the same 16-bit or fp8 caches and scales), so both compute in f32
+# from identical values. Bounds, relative L2: bfloat16 1e-2, float16 2e-3 (the kernel rounds the
+# softmax weights to q's type before P V, ~2^-9 resp. 2^-12 relative, and each output once). Tables
+# are padded, as in a graph-captured decode step, with columns of garbage ids (huge, negative)
+# past every sequence's blocks: they must never be read.
+
+import tallow.cuda as tc  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(
+    not tc.is_available(),
+    reason="no CUDA: this build has no CUDA backend" if not tc.built else "no CUDA: no driver or device present")
+CUDA_TOL = {"float16": 2e-3, "bfloat16": 1e-2}
+FP8 = "float8_e4m3"
+
+
+def decode_case(rng, lens, hq, hk, d, bs, dtype, cache_dtype=None, pad_cols=5, scales=(1.0, 1.0), qmul=2.0):
+    """(CUDA inputs, CPU reference inputs) for decode sequences of the given lengths."""
+    cache_dtype = cache_dtype or dtype
+    need = [-(-int(L) // bs) for L in lens]
+    nb = sum(need) + 2
+    tables = rng.integers(-(1 << 30), 1 << 30, size=(len(lens), max(need) + pad_cols)).astype(np.int32)
+    perm, at = rng.permutation(nb), 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    B = len(lens)
+    idx = [tallow.from_numpy(tables), tallow.from_numpy(np.asarray(lens, np.int32)),
+           tallow.from_numpy(np.arange(B + 1, dtype=np.int32))]
+    q = tallow.tensor(qmul * rng.standard_normal((B, hq, d), dtype=np.float32), dtype=dtype)
+    caches = []
+    for s in scales:
+        x = rng.standard_normal((nb, bs, hk, d), dtype=np.float32)
+        caches.append(tallow.tensor(x / np.float32(s) if cache_dtype == FP8 else x, dtype=cache_dtype))
+    dev = {"q": q.to("cuda"), "k": caches[0].to("cuda"), "v": caches[1].to("cuda"), "idx": [t.to("cuda") for t in idx]}
+    ref = {"q": q.to("float32"), "k": caches[0], "v": caches[1], "idx": idx}
+    return dev, ref
+
+
+def run_case(inp, scale, **kw):
+    return ops.paged_attention(inp["q"], inp["k"], inp["v"], *inp["idx"], scale, **kw)
+
+
+def check_cuda(got, ref, dtype, what):
+    got = got.to("cpu").to("float32").numpy().astype(np.float64)
+    ref = ref.to("cpu").to("float32").numpy().astype(np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs"
+    err = relative_error(got, ref)
+    assert err <= CUDA_TOL[dtype], f"{what}: rel L2 {err:.3g} > {CUDA_TOL[dtype]}"
+
+
+def compare_decode(rng, lens, hq, hk, d, bs, dtype, cache_dtype=None, window=0, softcap=0.0, scales=(1.0, 1.0),
+                   pad_cols=5, what=""):
+    dev, ref = decode_case(rng, lens, hq, hk, d, bs, dtype, cache_dtype, pad_cols, scales)
+    kw = dict(sliding_window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
+    scale = d**-0.5
+    got = run_case(dev, scale, **kw)
+    assert got.shape == (len(lens), hq, d) and str(got.dtype) == str(dev["q"].dtype)
+    check_cuda(got, run_case(ref, scale, **kw), dtype,
+               what or f"lens={list(lens)[:6]}.. hq={hq} hk={hk} d={d} bs={bs} {cache_dtype or dtype} w={window} cap={softcap}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_cuda_decode_every_head_dim(rng, dtype, fp8, d):
+    lens = rng.integers(1, 5000, size=5)
+    compare_decode(rng, lens, 8, 2, d, 16, dtype, FP8 if fp8 else None, scales=(0.05, 0.02) if fp8 else (1.0, 1.0))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("hq,hk", [(32, 8), (16, 2), (8, 1), (4, 4), (32, 2), (12, 4)])
+def test_cuda_decode_gqa_groups(rng, dtype, hq, hk):
+    lens = rng.integers(1, 5000, size=7)
+    compare_decode(rng, lens, hq, hk, 128, 16, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("B", [1, 2, 8, 33, 64])
+def test_cuda_decode_batches(rng, fp8, B):
+    """Batch 1..64, contexts 1..5000 drawn per sequence, Llama-3-8B heads (32/8, D 128)."""
+    lens = rng.integers(1, 5001, size=B)
+    compare_decode(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None,
+                   scales=(0.03, 0.05) if fp8 else (1.0, 1.0))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (100, 0.0), (1000, 0.0), (0, 30.0), (333, 5.0)])
+def test_cuda_decode_window_softcap(rng, dtype, window, softcap):
+    lens = np.concatenate([[1, 2, 100, 101, 1000, 1001], rng.integers(1, 5000, size=6)])
+    compare_decode(rng, lens, 16, 2, 128, 16, dtype, window=window, softcap=softcap)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bs", [1, 8, 16, 32, 256])
+def test_cuda_decode_block_sizes(rng, bs):
+    lens = rng.integers(1, 3000, size=6)
+    compare_decode(rng, lens, 8, 2, 64, bs, "bfloat16")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_tables_padded_to_max_length(rng, fp8):
+    """A graph-captured step pads tables to the model's max length: splits are planned for 32768
+    tokens while sequences are short; the garbage columns are never read (index checks on or off)."""
+    lens = rng.integers(1, 600, size=16)
+    for checks in (True, False):
+        tc.set_index_checks(checks)
+        try:
+            compare_decode(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, pad_cols=2048,
+                           scales=(0.1, 0.1) if fp8 else (1.0, 1.0))
+        finally:
+            tc.set_index_checks(True)
+
+
+@needs_cuda
+def test_cuda_decode_long_single_sequence(rng):
+    compare_decode(rng, [32768], 32, 8, 128, 16, "bfloat16")
+    compare_decode(rng, [20000, 3], 32, 8, 128, 16, "float16", FP8, scales=(0.02, 0.02))
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", ["1", "3", "256"])
+def test_cuda_decode_forced_split_counts(rng, monkeypatch, splits):
+    """Any split count gives the same result within the bound (TALLOW_DECODE_SPLITS forces it)."""
+    monkeypatch.setenv("TALLOW_DECODE_SPLITS", splits)
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
+    compare_decode(rng, rng.integers(1, 5000, size=4), 16, 4, 128, 16, "bfloat16")
+
+
+@needs_cuda
+def test_cuda_decode_uneven_queries_with_t_equal_b(rng):
+    """T == B does not guarantee one query each: query_start_loc [0, 0, 2, 3] (no query, two, one)."""
+    dev, ref = decode_case(rng, [50, 300, 41], 8, 2, 128, 16, "bfloat16")
+    qsl = tallow.from_numpy(np.array([0, 0, 2, 3], np.int32))
+    ref["idx"][2], dev["idx"][2] = qsl, qsl.to("cuda")
+    check_cuda(run_case(dev, 0.09), run_case(ref, 0.09), "bfloat16", "uneven queries")
+
+
+@needs_cuda
+def test_cuda_decode_i64_indices_strided_q_and_out(rng):
+    dev, ref = decode_case(rng, [77, 1500, 3], 8, 2, 128, 16, "float16")
+    dev64 = dict(dev, idx=[t.to("cpu").to("int64").to("cuda") for t in dev["idx"]])
+    # q as a head slice of a fused [B, Hq + 2 Hk, D] qkv projection
+    qkv = tallow.tensor(np.concatenate([dev["q"].to("cpu").to("float32").numpy(), np.ones((3, 4, 128), np.float32)],
+                                       axis=1), dtype="float16").to("cuda")
+    dev64["q"] = qkv[:, :8]
+    out = tallow.tensor(np.full((3, 8, 128), np.nan, np.float32), dtype="float16").to("cuda")
+    res = run_case(dev64, 0.1, out=out)
+    check_cuda(out, run_case(ref, 0.1), "float16", "i64 indices, strided q, out=")
+    np.testing.assert_array_equal(res.to("cpu").numpy(raw=True), out.to("cpu").numpy(raw=True))
+
+
+@needs_cuda
+def test_cuda_decode_bad_block_id_raises(rng):
+    dev, _ = decode_case(rng, [40, 70], 8, 2, 64, 16, "bfloat16")
+    tables = dev["idx"][0].to("cpu").numpy().copy()
+    tables[1, 2] = 1 << 20
+    bad = dict(dev, idx=[tallow.from_numpy(tables).to("cuda")] + dev["idx"][1:])
+    with pytest.raises(ValueError, match="paged_attention: block_tables holds a block id out of range"):
+        run_case(bad, 0.1)
+
+
+@needs_cuda
+def test_cuda_decode_under_graph_capture(rng):
+    """Captured once with short sequences, replayed after they grew: the split plan comes from
+    shapes, each sequence's splits from its length on the device."""
+    lens = np.array([5, 900, 17, 2500], np.int32)
+    dev, ref = decode_case(rng, lens + 1500, 32, 8, 128, 16, "bfloat16", pad_cols=512)
+    seq_lens = tallow.from_numpy(lens).to("cuda")
+    idx = [dev["idx"][0], seq_lens, dev["idx"][2]]
+    run = lambda: ops.paged_attention(dev["q"], dev["k"], dev["v"], *idx, 0.09)
+    run()  # warm-up outside the capture
+    g = tc.CUDAGraph()
+    with tc.graph(g):
+        out = run()
+    for grow in (0, 700, 1500):
+        seq_lens.copy_(tallow.from_numpy(lens + grow).to("cuda"))
+        g.replay()
+        tc.synchronize()
+        ref_idx = [ref["idx"][0], tallow.from_numpy(lens + grow), ref["idx"][2]]
+        expect = ops.paged_attention(ref["q"], ref["k"], ref["v"], *ref_idx, 0.09)
+        check_cuda(out, expect, "bfloat16", f"graph replay, lengths +{grow}")

@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--revision", help="hub revision (branch, tag or commit)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="compute dtype (auto: float32 on CPU)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the checkpoint's shapes (benchmarks; needs only config.json)")
     g.add_argument("--isq", metavar="TYPE", help="in-situ quantization of the weights at load (e.g. q4k)")
     g.add_argument("--chat-template", help="chat template file or inline Jinja, overriding the model's")
     g.add_argument("--yarn-scaling-factor", type=float, help="extend the context with YaRN by this factor")
@@ -33,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="fraction of GPU memory free after loading the weights to give the KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--fp8-kvcache", action="store_true", help="store the KV cache in FP8 E4M3 (CUDA only)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int,
+                   help="largest decode batch captured in a CUDA graph (default: --max-num-seqs)")
     g.add_argument("--num-threads", type=int, help="CPU threads for the kernels (default: all cores)")
 
     g = p.add_argument_group("scheduling")
@@ -79,4 +85,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         prefix_cache_max_tokens=ns.prefix_cache_max_tokens, kv_cache_dtype="float8_e4m3" if ns.fp8_kvcache else "auto",
         chat_template=ns.chat_template, yarn_scaling_factor=ns.yarn_scaling_factor, num_threads=ns.num_threads,
         seed=ns.seed, max_gen_tokens=ns.max_gen_tokens, frequency_penalty=ns.frequency_penalty,
-        presence_penalty=ns.presence_penalty)
+        presence_penalty=ns.presence_penalty, enforce_eager=ns.enforce_eager,
+        cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format)

@@ -26,6 +26,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float8_e4m3 (alias fp8; CUDA only)
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     cuda_graph_max_bs: Optional[int] = None  # largest decode batch captured (default: max_num_seqs)
+    async_scheduling: Optional[bool] = None  # overlap host work with the GPU (None: on for CUDA devices)
     load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shapes, made on the device)
     chat_template: Optional[str] = None
     yarn_scaling_factor: Optional[float] = None

@@ -72,13 +72,20 @@ class LLMEngine:
         if args.num_threads:
             tallow.set_num_threads(args.num_threads)
         self.device = self._check_device(args.device)
-        src = resolve_model_source(m=args.model, w=args.weights_dir, f=args.gguf_file, revision=args.revision)
+        dummy = args.load_format == "dummy"
+        src = resolve_model_source(m=args.model, w=args.weights_dir, f=args.gguf_file, revision=args.revision,
+                                   config_only=dummy)
         if src.kind == "gguf":
             cfg = ModelConfig.from_gguf(src.gguf)
             tok = Tokenizer.from_gguf(src.gguf)
         else:
             cfg = ModelConfig.from_pretrained_dir(src.model_dir)
-            tok = Tokenizer.from_pretrained_dir(src.model_dir)
+            if dummy and not (src.tokenizer_path or src.tokenizer_model_path):
+                from tallow.loader.dummy import placeholder_tokenizer
+
+                tok = placeholder_tokenizer(cfg)  # benchmarks on a bare config.json: token i is "t<i>"
+            else:
+                tok = Tokenizer.from_pretrained_dir(src.model_dir)
         if args.yarn_scaling_factor:
             cfg = cfg.with_yarn_scaling(args.yarn_scaling_factor)
         if args.chat_template:
@@ -89,15 +96,19 @@ class LLMEngine:
         self.dtype = self._resolve_dtype(args.dtype, cfg, src.kind)
         kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else tallow._core.dtype(args.kv_cache_dtype)
 
-        # Weights: built on the host (fusing, dequantizing where needed), then moved once; dummy weights
-        # (load_format="dummy": random values of the checkpoint's shapes) are made on the device.
+        # Weights: each checkpoint tensor goes from the mmap to the model's device as it is, and the model
+        # is built there (fusing, casting, dequantizing); dummy weights (load_format="dummy": random
+        # values of the checkpoint's shapes) are made on the device.
         model_positions = max(args.max_model_len or 0, cfg.max_position_embeddings)
         if args.load_format == "dummy":
             from tallow.loader.dummy import dummy_weights
 
-            weights = dummy_weights(cfg, self.dtype, self.device, seed=args.seed or 0)
+            weights = dummy_weights(cfg, self.dtype, self.device, seed=args.seed or 0, fused=True)
         else:
             weights = load_weights(src)
+            if self.device != "cpu":  # straight from the mmap to the device; fusing/casting happen there
+                weights = {name: t.to(self.device) if isinstance(t, tallow.Tensor) else t
+                           for name, t in weights.items()}
         self.model = build_model(cfg, weights, self.dtype, max_positions=model_positions)
         del weights
         if self.device != "cpu":
@@ -111,8 +122,10 @@ class LLMEngine:
                              f"({cfg.max_position_embeddings}); use --yarn-scaling-factor to extend it")
         max_len = args.max_model_len or cfg.max_position_embeddings
         max_batched = args.max_num_batched_tokens or max(8192, args.prefill_chunk_size)
+        self.overlap = args.async_scheduling if args.async_scheduling is not None else self.device != "cpu"
         self.runner = ModelRunner(self.model, None, bs, kv_dtype, self.device, max_num_seqs=args.max_num_seqs,
-                                  max_num_tokens=max_batched, max_model_len=max_len)
+                                  max_num_tokens=max_batched, max_model_len=max_len,
+                                  device_sampling=self.overlap or self.device != "cpu")
 
         # KV cache: sized from the budget (--mem MB; on a GPU by default gpu_memory_fraction of the
         # memory free after the weights, less the peak of the largest step and the decode graphs'
@@ -146,7 +159,7 @@ class LLMEngine:
         if graph_bs:
             self.runner.capture_graphs(graph_bs)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, max_batched, args.prefill_chunk_size), self.kv)
-        if self.device == "cpu":
+        if not self.runner.device_sampling:
             self.sampler = Sampler(cfg.vocab_size)
         else:
             from tallow.engine.gpu_sampler import GpuSampler
@@ -157,6 +170,7 @@ class LLMEngine:
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(args.seed)
+        self._pending: Optional[_PendingStep] = None  # GPU: the launched step whose tokens are not read yet
         self.stats = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "steps": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
 
@@ -293,7 +307,70 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns a delta RequestOutput per group that changed."""
+        """Run one scheduling step; returns a delta RequestOutput per group that changed.
+
+        With overlap (async_scheduling, the default on a GPU), steps overlap with the host: step n is launched before step n-1's sampled tokens
+        are read back, and the outputs returned are step n-1's. A request whose newest token is still
+        on the device holds -(row + 1) in its output ids; the runner fills that token in on the device.
+        Penalised requests need their full history on the host, so a step after one sampling them waits."""
+        if not self.overlap:
+            return self._step_sync()
+        t0 = time.perf_counter()
+        pending = self._pending
+        if pending is not None and pending.needs_history:
+            self._pending = None
+            return self._finish(pending)
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty:
+            if pending is not None:
+                self._pending = None
+                return self._finish(pending)
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("scheduler made no progress: the KV cache cannot hold the waiting request")
+            return []
+        to_sample = [r for r in out.requests
+                     if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens]
+        logits = self.runner.execute(out, to_sample)
+        self.scheduler.after_step(out)
+        launched = self.sampler.launch(logits, to_sample, self.eos_ids) if to_sample else None
+        if launched is not None:
+            self.runner.keep_sampled(launched.ids)
+        slots = []
+        for row, req in enumerate(to_sample):
+            req.append_token(-(row + 1))
+            slots.append(req.num_output_tokens - 1)
+            p = req.params
+            if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or \
+                    req.num_tokens >= self.max_model_len:
+                req.awaiting_final = True
+        needs_history = any(_penalised(r.params) for r in to_sample)
+        self._pending = _PendingStep(to_sample, slots, launched, needs_history)
+        t2 = time.perf_counter()
+        self.stats["schedule_s"] += t1 - t0
+        self.stats["model_s"] += t2 - t1
+        self.stats["steps"] += 1
+        return self._finish(pending) if pending is not None else []
+
+    def _finish(self, pending: "_PendingStep") -> list[RequestOutput]:
+        """Read a launched step's sampled tokens (waiting for the GPU if needed) and apply them."""
+        t0 = time.perf_counter()
+        results = pending.launched.results() if pending.launched is not None else []
+        changed: dict[str, _Group] = {}
+        for req, slot, res in zip(pending.reqs, pending.slots, results):
+            entry = self._seq_of.get(req.request_id)
+            if entry is None or req.is_finished:  # aborted or finished meanwhile: the token is dropped
+                continue
+            group, seq = entry
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            req.output_token_ids[slot] = res.token_id
+            self._append(group, seq, res, slot + 1)
+            changed[group.request_id] = group
+        self.stats["sample_s"] += time.perf_counter() - t0
+        return [self._delta_output(g) for g in changed.values()]
+
+    def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -312,7 +389,8 @@ class LLMEngine:
             group, seq = self._seq_of[req.request_id]
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            self._append(group, seq, res)
+            req.append_token(res.token_id)
+            self._append(group, seq, res, req.num_output_tokens)
             changed[group.request_id] = group
         t3 = time.perf_counter()
         self.stats["schedule_s"] += t1 - t0
@@ -321,10 +399,11 @@ class LLMEngine:
         self.stats["steps"] += 1
         return [self._delta_output(g) for g in changed.values()]
 
-    def _append(self, group: _Group, seq: _Sequence, res) -> None:
+    def _append(self, group: _Group, seq: _Sequence, res, num_out: int) -> None:
+        """Apply sampled token res (already stored as output token num_out - 1): logprobs, stop checks,
+        detokenisation. Output ids after num_out (a token still on the device) are dropped on finish."""
         req, p = seq.req, seq.req.params
         token = res.token_id
-        req.append_token(token)
         self.stats["generation_tokens"] += 1
         if seq.logprobs is not None:
             entry = {token: Logprob(res.logprob, rank=res.rank, decoded_token=self.tokenizer.decode([token], False))}
@@ -333,13 +412,15 @@ class LLMEngine:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += res.logprob
         finish, stop_reason, cut = None, None, False
-        can_stop = req.num_output_tokens >= p.min_tokens
+        can_stop = num_out >= p.min_tokens
         if can_stop and token in p.stop_token_ids:
             finish, stop_reason = "stop", token
-            if p.include_stop_str_in_output:
+            if p.include_stop_str_in_output and p.detokenize:
                 seq.text += seq.detok.add(token)
         elif can_stop and not p.ignore_eos and token in self.eos_ids:
             finish = "stop"
+        elif not p.detokenize:
+            pass
         else:
             before = len(seq.text)
             new = seq.detok.add(token)
@@ -353,12 +434,13 @@ class LLMEngine:
                     at, s = min(found, key=lambda f: (f[0], -len(f[1])))  # the earliest one
                     seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
                     finish, stop_reason, cut = "stop", s, True
-        if finish is None and p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+        if finish is None and p.max_tokens is not None and num_out >= p.max_tokens:
             finish = "length"
-        if finish is None and req.num_tokens >= self.max_model_len:
+        if finish is None and req.num_prompt_tokens + num_out >= self.max_model_len:
             finish = "length"
         if finish is not None:
-            if not cut:
+            del req.output_token_ids[num_out:]
+            if not cut and p.detokenize:
                 seq.text += seq.detok.finish()
             seq.finish_reason, seq.stop_reason = finish, stop_reason
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED if finish == "stop"
@@ -373,9 +455,11 @@ class LLMEngine:
             hold = 0 if seq.finish_reason is not None else max(seq.max_stop_len - 1, 0)
             upto = max(seq.sent_text, len(seq.text) - hold)
             text = seq.text[seq.sent_text:upto]
-            ids = seq.req.output_token_ids[seq.sent_tokens:]
+            out_ids = seq.req.output_token_ids
+            known = len(out_ids) - (1 if out_ids and out_ids[-1] < 0 else 0)
+            ids = out_ids[seq.sent_tokens:known]
             lps = seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else None
-            seq.sent_text, seq.sent_tokens = upto, len(seq.req.output_token_ids)
+            seq.sent_text, seq.sent_tokens = upto, known
             if seq.logprobs is not None:
                 seq.sent_logprobs = len(seq.logprobs)
             outs.append(CompletionOutput(seq.index, text, list(ids), seq.cumulative_logprob, lps, seq.finish_reason,
@@ -443,6 +527,19 @@ class LLMEngine:
             if norm > 0:
                 vec = vec / norm
         return np.ascontiguousarray(vec, dtype=np.float32)
+
+
+class _PendingStep:
+    """A launched step whose sampled tokens have not been read back yet."""
+
+    __slots__ = ("reqs", "slots", "launched", "needs_history")
+
+    def __init__(self, reqs, slots, launched, needs_history: bool):
+        self.reqs, self.slots, self.launched, self.needs_history = reqs, slots, launched, needs_history
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
 class KVCacheFullError(RuntimeError):

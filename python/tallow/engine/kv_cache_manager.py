@@ -27,8 +27,11 @@ class KVCacheManager:
             if tokens is None:
                 tokens = req.all_token_ids
             i = len(req.block_hashes)
+            block = tokens[i * bs:(i + 1) * bs]
+            if block[-1] < 0:  # a sampled token the host does not know yet (overlapped steps): later
+                break
             parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
-            req.block_hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+            req.block_hashes.append(hash_block(parent, block))
 
     # -- scheduling API --------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:

@@ -41,6 +41,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: Optional[int | str] = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, grown as tokens are known
+        # Overlapped scheduling: the last output token may still be on the device, stored as -(row + 1)
+        # of the step that sampled it; awaiting_final marks a request that reached its length limit
+        # with that token, so it gets no further step while the token is on its way.
+        self.awaiting_final = False
 
     @property
     def all_token_ids(self) -> list[int]:

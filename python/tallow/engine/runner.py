@@ -24,13 +24,16 @@ log = logging.getLogger("tallow.engine")
 class ModelRunner:
     def __init__(self, model, kv: KVCacheManager, block_size: int, kv_dtype, device: str = "cpu", *,
                  max_num_seqs: int = 256, max_num_tokens: int = 8192, max_model_len: int = 4096,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)):
+                 kv_scales: tuple[float, float] = (1.0, 1.0), device_sampling: bool = False):
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         self.device = device
         self.kv_scales = kv_scales
+        # Sampling with the device ops (GpuSampler, on a GPU or for overlapped steps): logits stay tensors
+        # and the previous step's sampled ids stay on the device.
+        self.device_sampling = device_sampling or device != "cpu"
         self.kv_caches: list = []
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max(max_num_tokens, max_num_seqs)
@@ -43,6 +46,9 @@ class ModelRunner:
             cuda.set_index_checks(False)  # the runner builds every index itself; checks would sync
         with self._on_stream():
             self.inputs = StepInputs(self.max_num_tokens, max_num_seqs, self.width, device)
+            # The previous step's sampled ids, on the device: rows whose token the host does not know
+            # yet (overlapped scheduling) read theirs from here (ops.fill_from_previous_).
+            self.prev_ids = tallow.empty([max_num_seqs], tallow.int32, device) if self.device_sampling else None
         self.graphs = None
         self.graphs_enabled = False
         self.graph_batch_sizes: list[int] = []
@@ -90,7 +96,8 @@ class ModelRunner:
             row = inp.bt[i]
             row[:nb] = block_ids
             if n == 1:
-                inp.ids[t] = req.all_token_ids[start]
+                np_ = req.num_prompt_tokens
+                inp.ids[t] = req.output_token_ids[start - np_] if start >= np_ else req.prompt_token_ids[start]
                 inp.pos[t] = start
                 inp.slots[t] = block_ids[start // bs] * bs + start % bs
             else:
@@ -107,6 +114,8 @@ class ModelRunner:
     # -- running ----------------------------------------------------------------------------------
     def _forward(self, num_tokens: int, num_seqs: int, num_rows: int, all_rows: bool) -> tallow.Tensor:
         ids, pos, meta, rows = self.inputs.views(num_tokens, num_seqs, num_rows)
+        if self.prev_ids is not None:
+            tallow.ops.fill_from_previous_(ids, self.prev_ids)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
         if not all_rows:
             hidden = tallow.ops.embedding(rows, hidden)  # the rows that need logits
@@ -114,10 +123,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, sample_reqs: list[Request]):
         """Run the model on every scheduled token; return the logits [len(sample_reqs), vocab] of the
-        requests whose sequence the step completes, in sample_reqs order: on the CPU a float32 numpy
-        array ([0, vocab] when none), on a GPU a device tensor in the model dtype (None when none)."""
+        requests whose sequence the step completes, in sample_reqs order: a tensor on the model's device in
+        the model dtype (None when none) with device_sampling, else a float32 numpy array ([0, vocab] when none)."""
         logits = self._execute(out, sample_reqs)
-        if self.device != "cpu":
+        if self.device_sampling:
             return logits
         if logits is None:
             return np.zeros((0, self.model.cfg.vocab_size), dtype=np.float32)
@@ -140,11 +149,19 @@ class ModelRunner:
             if not rows:
                 inp.upload(num_seqs)
                 ids, pos, meta, _ = inp.views(num_tokens, num_seqs)
+                if self.prev_ids is not None:
+                    tallow.ops.fill_from_previous_(ids, self.prev_ids)
                 self.model.forward(ids, pos, self.kv_caches, meta)
                 return None
             inp.rows[:len(rows)] = rows
             inp.upload(num_seqs)
             return self._forward(num_tokens, num_seqs, len(rows), decode_only)
+
+    def keep_sampled(self, ids: tallow.Tensor) -> None:
+        """Remember this step's sampled ids [B] on the device for the next step's unknown tokens."""
+        if self.prev_ids is not None and ids.shape[0]:
+            with self._on_stream():
+                self.prev_ids.narrow(0, 0, ids.shape[0]).copy_(ids)
 
     # -- CUDA graphs ------------------------------------------------------------------------------
     def graph_blockers(self) -> list[str]:

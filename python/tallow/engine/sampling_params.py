@@ -31,6 +31,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings), as vLLM's
 
     def __post_init__(self) -> None:
         # which defaultable fields the caller left unset (the engine may fill them from its defaults)
@@ -106,6 +107,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 hint = " (token ids go in stop_token_ids)" if isinstance(s, numbers.Integral) else ""
                 bad(f"stop must be a non-empty string or a list of them, got {type(s).__name__} {s!r}{hint}")
+        if not self.detokenize and self.stop:
+            bad("stop strings need detokenize=True (use stop_token_ids to stop on tokens)")
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {t!r}")

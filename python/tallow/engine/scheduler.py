@@ -110,7 +110,7 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            if remaining <= 0:
+            if remaining <= 0 or req.awaiting_final:
                 continue
             n = self._chunk(remaining, budget)
             if self.config.prefill_chunk_size == 0 and n < remaining:

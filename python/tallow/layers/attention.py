@@ -19,18 +19,25 @@ class AttentionMetadata:
 
 
 class PagedAttention:
+    """k_scale / v_scale: the per-tensor scales of a float8_e4m3 KV cache (it stores k / k_scale and
+    v / v_scale); 16/32-bit caches ignore them."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: Optional[int] = None, softcap: Optional[float] = None):
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window or 0
         self.softcap = softcap or 0.0
+        self.k_scale = float(k_scale)
+        self.v_scale = float(v_scale)
 
     def __call__(self, q: tallow.Tensor, k: tallow.Tensor, v: tallow.Tensor, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
                  meta: AttentionMetadata) -> tallow.Tensor:
         k_cache, v_cache = kv_cache
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   self.scale, self.sliding_window, self.softcap)
+                                   self.scale, self.sliding_window, self.softcap, k_scale=self.k_scale,
+                                   v_scale=self.v_scale)

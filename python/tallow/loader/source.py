@@ -94,7 +94,7 @@ def _gguf_in_dir(d: str) -> list[str]:
                   if f.endswith(".gguf") and "mmproj" not in f.lower() and os.path.isfile(os.path.join(d, f)))
 
 
-def _local_dir_source(d: str, f: str | None = None) -> ModelSource:
+def _local_dir_source(d: str, f: str | None = None, config_only: bool = False) -> ModelSource:
     if f is not None:
         return _local_gguf_source(f if os.path.isabs(f) or os.path.exists(f) else os.path.join(d, f))
     if os.path.isfile(os.path.join(d, INDEX_NAME)) or find_safetensors(d):
@@ -104,6 +104,8 @@ def _local_dir_source(d: str, f: str | None = None) -> ModelSource:
         return _local_gguf_source(os.path.join(d, ggufs[0]))
     if ggufs:
         raise ModelSourceError(f"{d}: several GGUF files; choose one with --f FILE: {', '.join(ggufs)}")
+    if config_only and os.path.isfile(os.path.join(d, "config.json")):
+        return ModelSource("safetensors", d)  # load_format="dummy": the weights are made from the config
     raise ModelSourceError(f"{d}: no model weights in this directory (no *.safetensors, "
                            f"{INDEX_NAME} or *.gguf files)")
 
@@ -117,20 +119,21 @@ def _local_gguf_source(path: str) -> ModelSource:
 
 
 def resolve_model_source(m: str | None = None, w: str | None = None, f: str | None = None,
-                         revision: str | None = None) -> ModelSource:
+                         revision: str | None = None, config_only: bool = False) -> ModelSource:
     """Turn --m / --w / --f into a ModelSource, downloading from the hub when --m names a repository.
 
     - ``m="org/name"``: hub download (``f`` picks a .gguf in it); ``m`` may also be a local folder or file.
     - ``w=DIR``: local Hugging Face folder (a folder holding a single .gguf works too; ``f`` may name a
       .gguf inside it).
     - ``f=PATH``: local GGUF file.
+    - ``config_only``: a local folder with config.json but no weights is accepted (load_format="dummy").
     """
     if m and w:
         raise ModelSourceError("give either --m (a hub repository or path) or --w (a local folder), not both")
     if m:
         if os.path.exists(m):
             if os.path.isdir(m):
-                return _local_dir_source(m, f)
+                return _local_dir_source(m, f, config_only)
             return _local_gguf_source(m) if m.endswith(".gguf") else _local_file_source(m)
         if not hub.is_repo_id(m):
             raise ModelSourceNotFoundError(f"{m}: no such file or directory, and not a Hugging Face repository id")
@@ -142,7 +145,7 @@ def resolve_model_source(m: str | None = None, w: str | None = None, f: str | No
             raise ModelSourceNotFoundError(f"{w}: no such directory")
         if not os.path.isdir(w):
             return _local_gguf_source(w) if w.endswith(".gguf") else _local_file_source(w)
-        return _local_dir_source(w, f)
+        return _local_dir_source(w, f, config_only)
     if f:
         return _local_gguf_source(f)
     raise ModelSourceError("no model given: pass --m ORG/NAME (Hugging Face hub), --w DIR (local folder) "

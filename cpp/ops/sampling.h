@@ -1,0 +1,144 @@
+// Sampling on the device: logit penalties, token sampling (temperature, top-k, min-p, top-p, seeded
+// Gumbel-max) and log-probabilities. Every input of one call sits on one device; B rows, V vocab.
+// The row semantics are python/tallow/engine/sampler.py's (vLLM's); the CPU kernels are the
+// reference and the CUDA kernels (cuda/sampling.cu) compute the same numbers.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#include "core/tensor.h"
+
+namespace tallow::ops {
+
+// In place on logits f32 [B, V] (contiguous). token_ids i32 [B, L] lists, per row, tokens to
+// penalise (-1 = padding; an id at most once per row), token_counts i32 [B, L] their counts in the
+// output so far (0 for prompt-only tokens). For each listed id:
+//   count < 0             logit = -inf (a banned token: min_tokens masking of stop/EOS ids)
+//   else                  if repetition != 1: logit = logit > 0 ? logit / rep : logit * rep
+//                         logit -= frequency * count + presence * (count > 0)
+// Penalties f32 [B]. An id outside [0, V) raises IndexError on the CPU and is skipped on CUDA
+// (no device-to-host read on the decode path). Duplicate ids in a row are the caller's bug (on CUDA
+// they race).
+void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor& token_counts,
+                     const Tensor& repetition_penalty, const Tensor& frequency_penalty,
+                     const Tensor& presence_penalty);
+
+// One token per row, i32 [B]. logits f32/f16/bf16 [B, V] (last dim contiguous); temperature,
+// top_p, min_p f32 [B]; top_k i32 [B] (<= 0 or >= V: off); seeds, offsets i64 [B].
+//   temperature < 1e-5 (or NaN): greedy argmax of the raw logits (first index on ties, NaN counts as largest).
+//   else x = logit / T (f32 division; NaN -> -inf, -0 -> +0), m = max x, e = expf(x - m), and the
+//   kept set is
+//     top-k   x >= the k-th largest x (ties kept)
+//     min-p   e >= min_p                                   (min_p <= 0: off)
+//     top-p   over what is left: e >= t, t the largest e-value whose tokens with e >= t carry at
+//             least ceil(top_p * S) of the left mass S     (top_p >= 1: off)
+//   Masses are fixed point, mass(e) = (uint64)(e * 2^44), summed exactly, so the threshold does not
+//   depend on summation order (CPU and CUDA agree bit for bit given the same e values).
+//   The token is argmax over kept of x_i + g_i (ties: lower index), Gumbel-max sampling from the
+//   renormalised kept distribution, with g_i = gumbel(seed, offset, i) below. -inf tokens are
+//   never kept; a +inf token wins (the first one); a row with nothing finite returns the greedy
+//   argmax of its raw logits.
+// CPU and CUDA pick the same token except where two candidates are within float rounding (expf /
+// logf differ by an ulp between the two backends).
+Tensor sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
+                     const Tensor& min_p, const Tensor& seeds, const Tensor& offsets);
+
+// log_softmax of the raw logits f32/f16/bf16 [B, V]: values f32 [B, 1 + num_top], ids i32
+// [B, 1 + num_top], ranks i32 [B]. Column 0 is token_ids (i32 [B]) and its log-probability,
+// columns 1.. the num_top (0..20) most probable tokens (ties: lower id first); rank = 1 + the
+// number of tokens with a strictly larger logit. An id outside [0, V) raises IndexError on the CPU;
+// on CUDA its value is NaN and its rank 0.
+std::tuple<Tensor, Tensor, Tensor> logprobs(const Tensor& logits, const Tensor& token_ids, int64_t num_top);
+
+}  // namespace tallow::ops
+
+// ---- the sampling RNG and keys, shared bit for bit by the CPU and CUDA kernels ------------------
+//
+// gumbel(seed, offset, i): a counter-based hash, so a row's draw depends only on (seed, offset) and
+// never on the batch or on the thread layout:
+//   mix(z)   = splitmix64's finaliser: z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27;
+//              z *= 0x94D049BB133111EB; z ^= z >> 31
+//   key      = mix(mix(seed) + offset)                      (per row)
+//   h        = mix(key + (i + 1) * 0x9E3779B97F4A7C15)       (splitmix64's stream from key, item i)
+//   24 random bits: b = h >> 63, j = (h >> 40) & (2^23 - 1), w = (2j + 1) * 2^-25 (exact in f32)
+//   u        = b ? 1 - w : w                                 (uniform on {(2k+1)/2^25}: never 0 or 1)
+//   E = -log(u) = b ? -log1pf(-w) : -logf(w)                 (accurate at both ends)
+//   g        = -logf(E)                                       (Gumbel(0, 1); g < 17.5 always)
+#if defined(__CUDACC__)
+#define TALLOW_SAMPLING_HD __host__ __device__ __forceinline__
+#else
+#define TALLOW_SAMPLING_HD inline
+#endif
+
+namespace tallow::sampling {
+
+constexpr float kGumbelMax = 17.5f;  // bound on g (the largest is -logf(-log1pf(-2^-25)) ~ 17.33)
+constexpr float kMassScale = 17592186044416.0f;  // 2^44
+
+TALLOW_SAMPLING_HD uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+TALLOW_SAMPLING_HD uint64_t row_key(int64_t seed, int64_t offset) {
+  return mix64(mix64((uint64_t)seed) + (uint64_t)offset);
+}
+
+TALLOW_SAMPLING_HD float gumbel(uint64_t key, int64_t i) {
+  const uint64_t h = mix64(key + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull);
+  const float w = (float)(2u * (uint32_t)((h >> 40) & 0x7FFFFFu) + 1u) * 2.98023223876953125e-08f;  // 2^-25
+  const float E = (h >> 63) ? -::log1pf(-w) : -::logf(w);
+  return -::logf(E);
+}
+
+TALLOW_SAMPLING_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+TALLOW_SAMPLING_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// Order-preserving key of a non-NaN float (-0 must be normalised to +0 first).
+TALLOW_SAMPLING_HD uint32_t order_key(float x) {
+  const uint32_t b = float_bits(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+TALLOW_SAMPLING_HD float key_value(uint32_t k) {
+  return bits_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
+// Fixed-point mass of an unnormalised probability e in [0, 1] (exact: e * 2^44 is a power-of-two
+// scaling, the conversion truncates).
+TALLOW_SAMPLING_HD uint64_t mass(float e) { return (uint64_t)(e * kMassScale); }
+
+// The top-p target: ceil(top_p * total) in [1, total].
+TALLOW_SAMPLING_HD uint64_t top_p_target(float top_p, uint64_t total) {
+  const double t = ::ceil((double)top_p * (double)total);
+  if (t >= (double)total) return total;
+  return t < 1.0 ? 1 : (uint64_t)t;
+}
+
+// The per-element transform of sampling: x = logit / T, NaN -> -inf, -0 -> +0.
+TALLOW_SAMPLING_HD float scaled_logit(float logit, float temperature) {
+  const float x = logit / temperature;
+  if (x != x) return -INFINITY;
+  return x == 0.0f ? 0.0f : x;
+}
+
+}  // namespace tallow::sampling

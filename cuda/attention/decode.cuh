@@ -1,0 +1,24 @@
+// Split-KV ("flash-decoding") paged attention for decode steps, on tensor cores; the contract is
+// ops::paged_attention's (cpp/ops/paged_attention.h), plus FP8 E4M3 caches with scales.
+#pragma once
+#include "common.cuh"
+
+namespace tallow::cuda {
+
+// out [T, Hq, D] (contiguous, q's dtype) = paged attention of q [T, Hq, D] (f16/bf16, last dim
+// contiguous) over k_cache / v_cache [num_blocks, block_size, Hk, D] (q's dtype, or float8_e4m3
+// read as stored * k_scale / stored * v_scale), with i32 block_tables [B, max_blocks], seq_lens [B]
+// and query_start_loc [B + 1].
+// Made for one query per sequence (T == B, the decode step): grid (split, kv head, sequence), each
+// CTA reads its K/V rows once for all query heads of the kv head's group. A sequence with more than
+// one query (possible with T == B when another has none) is still right, its queries run one after
+// another. Supported: T == B, D in {64, 80, 96, 128, 256} (v's D equal), Hq / Hk <= 16, block_size
+// a power of two, 16-byte aligned cache rows and output, an sm_80+ device. Returns false, doing
+// nothing, for any other case. Never reads device data on the host (safe under graph capture);
+// block-table entries at or past ceil(seq_len / block_size) are never read; out-of-range block ids
+// are left out.
+bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
+                            float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale);
+
+}  // namespace tallow::cuda

@@ -1,0 +1,479 @@
+// Decode GEMV / skinny GEMM: out[M, N] = x[M, K] * w[N, K]^T (+ bias[N]) for f16/bf16, M <= 16, on the
+// tensor cores (mma.sync m16n8k16, f32 accumulation), streaming w once at HBM bandwidth.
+//
+// Operands straight from 16-byte loads: an mma's A is 16 rows of w, its B 8 tokens of x. A sum over K
+// may visit k in any order as long as A and B use the same order, so lane (g = lane / 4, q = lane % 4)
+// loads 8 consecutive k of w rows g and g + 8 and of x token g at those same k, and these registers
+// are exactly its A and B fragments for two mmas (elements 0-3, then 4-7). No shuffles, no shared
+// memory for operands; per weight byte the tensor cores do M (padded to 8 or 16) multiply-adds, so the
+// kernel stays bound by the weight stream up to M = 16.
+//
+// Work split: a warp step covers 16 * rt rows x 32 * unroll k (4 lanes x unroll 16-byte chunks per row,
+// 2 * rt * unroll loads in flight per lane). The steps of one row tile are dealt round-robin to the
+// warps of a CTA and, where N is small, to the `split` CTAs of a thread-block cluster (sm_90+), so
+// every SM gets work. Partial sums meet in shared memory (in warp order), then through distributed
+// shared memory (in cluster-rank order): deterministic, no atomics, no scratch, one launch, nothing
+// that graph capture forbids.
+#include "gemv.cuh"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <type_traits>
+
+#include "common.cuh"
+#include "launch.cuh"
+
+namespace tallow::cuda {
+
+namespace {
+
+constexpr int kMaxWarps = 16;
+constexpr int kMaxSplit = 8;  // the portable cluster size
+
+struct Args {
+  const void* x;
+  const void* w;
+  const void* bias;
+  void* out;
+  int64_t ldx, ldw, ldo, N, K8;  // K8: K in 16-byte chunks
+  int M, steps, split;           // steps: warp steps per row tile; split: CTAs per row tile (cluster)
+};
+
+// Weight loads: each byte is read once, so keep it out of L1 and first in line for L2 eviction.
+// Volatile (as are the x loads and grid_dep_wait), which keeps their order: a step's weight loads,
+// the wait, then x (the previous kernel's output; ptxas hoists read-only .nc loads above the wait,
+// so x uses a plain load; policy 1's .nc weight loads may sink below it: correct, no PDL gain).
+template <int P>
+__device__ __forceinline__ uint4 load_w(const uint4* p) {
+  uint4 r;
+  if constexpr (P == 0)
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  return r;
+}
+
+// x: small and reused by every CTA, so through L1.
+__device__ __forceinline__ uint4 load_x(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// c += A * B for one m16n8k16 tile: A rows g / g + 8 in a0, a2 / a1, a3; B column g in b0, b1.
+template <class T>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the host never launches gemv below compute capability 8.0
+#endif
+}
+
+// One 16-byte chunk: w rows g (lo) and g + 8 (hi), x token g, 8 k each -> two mmas.
+template <class T>
+__device__ __forceinline__ void mma_chunk(float (&c)[4], const uint4& lo, const uint4& hi, const uint4& xv) {
+  mma16816<T>(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+  mma16816<T>(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+}
+
+// With programmatic dependent launch, waits for the previous kernel (x and out may be its data);
+// a no-op otherwise. Weights are never written by kernels, so their first loads go before it.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets a next kernel launched with PDL start (its pre-wait part: a next gemv's weight loads) while
+// this one drains; it still waits for this grid to finish before reading anything it wrote.
+__device__ __forceinline__ void grid_dep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Thread-block cluster barrier halves (sm_90+; the host uses clusters only there). "arrive.relaxed" at
+// the start and its "wait" before the first remote store guarantee every CTA of the cluster runs (its
+// shared memory exists) at no cost; the release/acquire pair publishes the remote stores.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// *p (in this CTA's shared memory) = v, in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ void store_remote(float* p, int rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+
+template <class T, int NT, int RT, int U, int P>
+__global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
+  constexpr int ROWS = 16 * RT, ROWP = ROWS + 4, TOK = 8 * NT, STEP = 4 * U;  // STEP: chunks per row per step
+  // Shared: red[warps][TOK][ROWP] warp partials (the padding makes the stores conflict-free), then with
+  // a cluster gather[split][chunk]: CTA partials of the outputs this CTA finishes, one row per rank.
+  extern __shared__ float red[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int rank = (int)(blockIdx.x % (unsigned)a.split);  // == the cluster rank: clusters are (split, 1, 1)
+  const int64_t row0 = (int64_t)(blockIdx.x / (unsigned)a.split) * ROWS;
+  if (a.split > 1) cluster_arrive_relaxed();
+  grid_dep_launch_dependents();
+
+  // This lane's rows (past N: row N - 1, read but never written) and tokens (past M: zeros, no loads).
+  const uint4* wp[RT][2];
+#pragma unroll
+  for (int t = 0; t < RT; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = std::min<int64_t>(row0 + 16 * t + 8 * h + g, a.N - 1);
+      wp[t][h] = reinterpret_cast<const uint4*>(static_cast<const T*>(a.w) + r * a.ldw) + q;
+    }
+  const uint4* xp[NT];
+  bool xon[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int m = 8 * n + g;
+    xon[n] = m < a.M;
+    xp[n] = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + (int64_t)(xon[n] ? m : 0) * a.ldx) + q;
+  }
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int t = 0; t < RT; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][n][e] = 0.f;
+
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int workers = nwarps * a.split;
+#pragma unroll 1
+  for (int s = rank * nwarps + warp; s < a.steps; s += workers) {
+    const int64_t c0 = (int64_t)s * STEP;  // this lane's chunks: c0 + 4 j + q
+    const bool full = c0 + STEP <= a.K8;
+    uint4 wv[RT][2][U];
+    if (full) {
+#pragma unroll
+      for (int j = 0; j < U; ++j)
+#pragma unroll
+        for (int t = 0; t < RT; ++t)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) wv[t][h][j] = load_w<P>(wp[t][h] + c0 + 4 * j);
+    } else {  // the last, partial step: chunks past K are zeros on both sides
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        const bool in = c0 + 4 * j + q < a.K8;
+#pragma unroll
+        for (int t = 0; t < RT; ++t)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) wv[t][h][j] = in ? load_w<P>(wp[t][h] + c0 + 4 * j) : zero;
+      }
+    }
+    grid_dep_wait();
+    // x per chunk, just before its mmas (L1 hits; fewer live registers, more warps per SM).
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const bool in = full || c0 + 4 * j + q < a.K8;
+      uint4 xv[NT];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) xv[n] = xon[n] && in ? load_x(xp[n] + c0 + 4 * j) : zero;
+#pragma unroll
+      for (int t = 0; t < RT; ++t)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mma_chunk<T>(acc[t][n], wv[t][0][j], wv[t][1][j], xv[n]);
+    }
+  }
+  grid_dep_wait();  // warps without steps: out may still be in use by the previous kernel
+
+  // Accumulator c[e] of tile (t, n) is row 16 t + g (+ 8 for e >= 2), token 8 n + 2 q + (e & 1).
+  float* mine = red + warp * (TOK * ROWP);
+#pragma unroll
+  for (int t = 0; t < RT; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int r = 16 * t + g, tk = 8 * n + 2 * q;
+      mine[tk * ROWP + r] = acc[t][n][0];
+      mine[(tk + 1) * ROWP + r] = acc[t][n][1];
+      mine[tk * ROWP + r + 8] = acc[t][n][2];
+      mine[(tk + 1) * ROWP + r + 8] = acc[t][n][3];
+    }
+  __syncthreads();
+
+  const int outs = min(a.M, TOK) * ROWS;  // output i: token i / ROWS, row i % ROWS (consecutive n per token)
+  auto store = [&](int i, float s) {
+    const int64_t n = row0 + i % ROWS;
+    if (n >= a.N) return;
+    if (a.bias) s += to_float(static_cast<const T*>(a.bias)[n]);
+    static_cast<T*>(a.out)[(int64_t)(i / ROWS) * a.ldo + n] = from_float<T>(s);
+  };
+  // The CTA's sum, warps in order. With a cluster, output i is finished by rank i / chunk: each CTA
+  // pushes its sum there (row `rank` of that CTA's gather), and after one barrier every CTA adds up the
+  // rows of its own outputs in rank order. No CTA reads another's shared memory, so none waits to exit.
+  const int chunk = (outs + a.split - 1) / a.split;  // the host sizes gather for outs = TOK * ROWS
+  float* gather = red + nwarps * (TOK * ROWP);
+  if (a.split > 1) cluster_wait();  // every CTA of the cluster has started
+  for (int i = threadIdx.x; i < outs; i += blockDim.x) {
+    const int idx = (i / ROWS) * ROWP + i % ROWS;
+    float s = red[idx];
+    for (int w = 1; w < nwarps; ++w) s += red[w * TOK * ROWP + idx];
+    if (a.split == 1) {
+      store(i, s);
+    } else {
+      const int owner = i / chunk;
+      store_remote(gather + rank * chunk + (i - owner * chunk), owner, s);
+    }
+  }
+  if (a.split > 1) {
+    cluster_arrive_release();
+    cluster_wait();
+    const int first = rank * chunk, count = min(chunk, outs - first);
+    for (int l = threadIdx.x; l < count; l += blockDim.x) {
+      float s = 0.f;
+      for (int r = 0; r < a.split; ++r) s += gather[r * chunk + l];
+      store(first + l, s);
+    }
+  }
+}
+
+// ---- host ---------------------------------------------------------------------------------------
+
+struct DeviceInfo {
+  int sms = 0, major = 0;
+};
+
+DeviceInfo device_info() {
+  static DeviceInfo cache[64];
+  static std::mutex mu;
+  int dev = 0;
+  TALLOW_CUDA_CHECK("linear", cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lk(mu);
+  DeviceInfo& d = cache[dev < 64 ? dev : 63];
+  if (!d.sms) {
+    TALLOW_CUDA_CHECK("linear", cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev));
+    TALLOW_CUDA_CHECK("linear", cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return d;
+}
+
+GemvConfig parse_config(const std::string& spec, const char* where) {
+  GemvConfig c;
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.find_first_not_of(" \t") == std::string::npos) continue;
+    const size_t eq = item.find('=');
+    TALLOW_CHECK(eq != std::string::npos, where, ": expected key=value, got '", item, "' in '", spec, "'");
+    const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
+    char* end = nullptr;
+    const long v = std::strtol(val.c_str(), &end, 10);
+    TALLOW_CHECK(!val.empty() && *end == '\0', where, ": '", key, "' needs an integer, got '", val, "'");
+    auto in = [&](long lo, long hi) {
+      TALLOW_CHECK(v >= lo && v <= hi, where, ": ", key, "=", v, " is outside [", lo, ", ", hi, "]");
+      return (int)v;
+    };
+    if (key == "warps") c.warps = in(1, kMaxWarps);
+    else if (key == "split") c.split = in(1, kMaxSplit);
+    else if (key == "rt") c.rt = in(1, 2);
+    else if (key == "unroll") {
+      c.unroll = in(2, 8);
+      TALLOW_CHECK(v == 2 || v == 4 || v == 8, where, ": unroll must be 2, 4 or 8, got ", v);
+    } else if (key == "policy") c.policy = in(0, 1);
+    else if (key == "pdl") c.pdl = in(0, 1);
+    else if (key == "target") c.target = in(1, 64);
+    else TALLOW_CHECK(false, where, ": unknown key '", key, "' (warps, split, rt, unroll, policy, pdl, target)");
+  }
+  return c;
+}
+
+std::mutex g_mu;
+GemvConfig& overrides() {
+  static GemvConfig c = [] {
+    const char* e = std::getenv("TALLOW_GEMV_CONFIG");
+    return e ? parse_config(e, "TALLOW_GEMV_CONFIG") : GemvConfig{};
+  }();
+  return c;
+}
+
+// The launch for one shape: the override's fields, the heuristic for the rest.
+struct Launch {
+  int warps, split, rt, unroll, policy, pdl;
+  int64_t tiles, steps;
+};
+
+Launch choose(int64_t M, int64_t N, int64_t K, const DeviceInfo& dev) {
+  GemvConfig o;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    o = overrides();
+  }
+  const bool clusters = dev.major >= 9;
+  Launch L{};
+  // Two row tiles per warp halve the x traffic (through L1) where M > 8 and rows are plentiful.
+  L.rt = o.rt > 0 ? o.rt : (M > 8 && ceil_div(N, 32) >= 4LL * dev.sms ? 2 : 1);
+  L.unroll = o.unroll > 0 ? o.unroll : (L.rt == 2 && M > 8 ? 2 : 4);
+  // Register budget (128 at 512 threads, no spills): rt * unroll <= 8 for M <= 8, <= 4 above.
+  while (L.rt * L.unroll > (M > 8 ? 4 : 8)) L.unroll /= 2;
+  if (L.unroll < 2) L.unroll = 2, L.rt = 1;
+  L.policy = o.policy >= 0 ? o.policy : 0;
+  L.pdl = o.pdl > 0 && clusters ? 1 : 0;
+  L.tiles = ceil_div(N, 16 * L.rt);
+  L.steps = ceil_div(K / 8, 4 * L.unroll);
+  // Workers (warps) per row tile: enough that the whole grid keeps `target` warps per SM busy (64 KiB
+  // of loads in flight per SM at the default), at least 4, at most one step each; the divisor of the
+  // step count nearest to that (within a factor 2, ties up), so every worker gets as many steps.
+  const int64_t target = (int64_t)dev.sms * (o.target > 0 ? o.target : 16);
+  int64_t want = std::min<int64_t>(std::max<int64_t>(ceil_div(target, L.tiles), 4), L.steps);
+  int64_t best = 0;
+  for (int64_t d = std::max<int64_t>(want / 2, 1); d <= std::min<int64_t>(L.steps, 2 * want); ++d)
+    if (L.steps % d == 0 && (!best || std::abs(d - want) <= std::abs(best - want))) best = d;
+  if (best) want = best;
+  want = std::min<int64_t>(want, clusters ? 8LL * kMaxSplit : kMaxWarps);
+  if (o.warps > 0 && o.split > 0) {
+    L.warps = o.warps;
+    L.split = o.split;
+  } else if (o.warps > 0) {
+    L.warps = o.warps;
+    L.split = (int)std::min<int64_t>(ceil_div(want, o.warps), kMaxSplit);
+  } else if (o.split > 0) {
+    L.split = o.split;
+    L.warps = (int)std::clamp<int64_t>(ceil_div(want, o.split), 1, kMaxWarps);
+  } else if (!clusters || want <= 8) {
+    L.warps = (int)std::max<int64_t>(want, 1);
+    L.split = 1;
+  } else {  // the fewest CTAs per tile with at most 8 warps each, exact where possible
+    L.warps = 8;
+    L.split = (int)ceil_div(want, 8);
+    for (int s = 2; s <= kMaxSplit; ++s)
+      if (want % s == 0 && want / s <= 8) {
+        L.warps = (int)(want / s);
+        L.split = s;
+        break;
+      }
+  }
+  if (!clusters) L.split = 1;
+  return L;
+}
+
+template <class T, int NT, int RT, int U, int P>
+void launch_one(const Launch& L, const Args& a, cudaStream_t stream) {
+  auto kernel = gemv_kernel<T, NT, RT, U, P>;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((unsigned)(L.tiles * L.split));
+  cfg.blockDim = dim3((unsigned)(32 * L.warps));
+  const int tok_rows = 8 * NT * 16 * RT;
+  cfg.dynamicSmemBytes = ((size_t)L.warps * (8 * NT) * (16 * RT + 4) +
+                          (L.split > 1 ? (size_t)L.split * ((tok_rows + L.split - 1) / L.split) : 0)) *
+                         sizeof(float);
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  int na = 0;
+  if (L.split > 1) {
+    attrs[na].id = cudaLaunchAttributeClusterDimension;
+    attrs[na].val.clusterDim.x = (unsigned)L.split;
+    attrs[na].val.clusterDim.y = 1;
+    attrs[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  if (L.pdl) {
+    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = (unsigned)na;
+  TALLOW_CUDA_CHECK("linear", cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
+template <class T, int NT, int RT, int U>
+void launch_p(const Launch& L, const Args& a, cudaStream_t s) {
+  if (L.policy == 1) launch_one<T, NT, RT, U, 1>(L, a, s);
+  else launch_one<T, NT, RT, U, 0>(L, a, s);
+}
+
+// (rt, unroll) as choose() leaves them: rt * unroll <= 8 / NT.
+template <class T, int NT>
+void launch_t(const Launch& L, const Args& a, cudaStream_t s) {
+  if (L.rt == 2) {
+    if constexpr (NT == 1) {
+      if (L.unroll == 4) return launch_p<T, NT, 2, 4>(L, a, s);
+    }
+    launch_p<T, NT, 2, 2>(L, a, s);
+  } else {
+    if constexpr (NT == 1) {
+      if (L.unroll == 8) return launch_p<T, NT, 1, 8>(L, a, s);
+    }
+    if (L.unroll == 2) launch_p<T, NT, 1, 2>(L, a, s);
+    else launch_p<T, NT, 1, 4>(L, a, s);
+  }
+}
+
+template <class T>
+void launch_typed(const Launch& L, const Args& a, cudaStream_t s) {
+  if (a.M > 8) launch_t<T, 2>(L, a, s);
+  else launch_t<T, 1>(L, a, s);
+}
+
+std::string describe(const Launch& L) {
+  return str_cat("warps=", L.warps, ",split=", L.split, ",rt=", L.rt, ",unroll=", L.unroll, ",policy=", L.policy,
+                 ",pdl=", L.pdl, " (tiles=", L.tiles, ",steps=", L.steps, ")");
+}
+
+}  // namespace
+
+bool gemv_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, int64_t x_kstride,
+                    const void* w, int64_t ldw, int64_t w_kstride, int64_t ldo) {
+  if (dt != DType::F16 && dt != DType::BF16) return false;
+  if (M < 1 || M > 16 || N < 1 || K < 8 || K % 8 != 0) return false;
+  if ((K > 1 && (x_kstride != 1 || w_kstride != 1)) || ldo < N) return false;
+  if (!aligned_to(w, 16) || !aligned_to(x, 16) || ldw % 8 != 0 || ldw < K) return false;
+  if (M > 1 && (ldx % 8 != 0 || ldx < K)) return false;
+  return device_info().major >= 8;
+}
+
+void gemv(DType dt, const void* x, int64_t ldx, int M, const void* w, int64_t ldw, const void* bias, void* out,
+          int64_t ldo, int64_t N, int64_t K, void* stream) {
+  const Launch L = choose(M, N, K, device_info());
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split};
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (dt == DType::BF16) launch_typed<__nv_bfloat16>(L, a, s);
+  else launch_typed<__half>(L, a, s);
+}
+
+std::string gemv_config(int64_t M, int64_t N, int64_t K) { return describe(choose(M, N, K, device_info())); }
+
+void set_gemv_config(const std::string& spec) {
+  const GemvConfig c = parse_config(spec, "set_gemv_config");
+  std::lock_guard<std::mutex> lk(g_mu);
+  overrides() = c;
+}
+
+}  // namespace tallow::cuda

@@ -1,0 +1,220 @@
+"""tallow's decode GEMV (cuda/gemv.cu): linear and matmul with M <= 16 rows on CUDA against float64
+numpy on fresh random inputs (bf16 and f16, bias or none, odd N, strided x rows), the same products
+through cuBLASLt (skinny_max_m 0), bitwise run-to-run determinism, CUDA graph capture, every launch
+configuration (set_gemv_config, TALLOW_GEMV_CONFIG) and its errors. Skipped, with the reason, where
+this build has no CUDA backend or no GPU is present."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tallow
+import tallow.cuda as tc
+
+pytestmark = pytest.mark.skipif(
+    not tc.is_available(),
+    reason="no CUDA: this build has no CUDA backend" if not tc.built else "no CUDA: no driver or device present",
+)
+
+# Relative L2 error bounds against float64 on the same (rounded) inputs: one rounding of the output
+# (bf16 u = 2^-8, f16 u = 2^-11) plus f32 accumulation.
+TOL = {"bfloat16": 8e-3, "float16": 1e-3}
+# (N, K): tiny, odd N, partial last steps (K not a multiple of 32 * unroll), the Qwen3-0.6B and an
+# 8B o_proj shape; (5, 20) has K % 8 != 0, so it falls back to cuBLASLt.
+SHAPES = [(1, 8), (7, 24), (33, 72), (100, 264), (257, 1000), (384, 1024), (1000, 2056), (4096, 1024),
+          (1024, 2048), (1024, 3072), (4096, 4096), (5, 20)]
+
+
+@pytest.fixture
+def skinny16():
+    old = tc._c.skinny_max_m()
+    tc._c.set_skinny_max_m(16)
+    yield
+    tc._c.set_skinny_max_m(old)
+
+
+def _f64(t):
+    return t.to("cpu").to("float32").numpy().astype(np.float64)
+
+
+def _rel(y, ref):
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def _nan_out(M, N, dtype):
+    """An output filled with NaN, so that any element the kernel fails to write shows."""
+    return tallow.tensor(np.full((M, N), np.nan, np.float32), dtype=dtype).to("cuda")
+
+
+def _linear(x, w, b, M, N, dtype, skinny=16):
+    old = tc._c.skinny_max_m()
+    tc._c.set_skinny_max_m(skinny)
+    try:
+        out = _nan_out(M, N, dtype)
+        tallow.ops.linear(x, w, b, out=out)
+        return _f64(out)
+    finally:
+        tc._c.set_skinny_max_m(old)
+
+
+def _weights(rng, N, K, dtype, bias):
+    w = tallow.tensor(rng.standard_normal((N, K)) / np.sqrt(K), dtype=dtype)
+    b = tallow.tensor(rng.standard_normal(N), dtype=dtype) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_linear_matches_reference(rng, dtype, N, K):
+    """Every M from 1 to 16, bias on odd M; the gemv result and cuBLASLt's both within the bound."""
+    w, b = _weights(rng, N, K, dtype, True)
+    wg, bg = w.to("cuda"), b.to("cuda")
+    wr, br = _f64(w), _f64(b)
+    for M in range(1, 17):
+        use_bias = M % 2 == 1
+        x = tallow.tensor(rng.standard_normal((M, K)), dtype=dtype)
+        ref = _f64(x) @ wr.T + (br if use_bias else 0)
+        got = _linear(x.to("cuda"), wg, bg if use_bias else None, M, N, dtype)
+        lt = _linear(x.to("cuda"), wg, bg if use_bias else None, M, N, dtype, skinny=0)
+        assert not np.isnan(got).any(), f"M={M}: outputs left unwritten"
+        assert _rel(got, ref) < TOL[dtype], f"gemv M={M} N={N} K={K}: rel err {_rel(got, ref):.2e}"
+        assert _rel(lt, ref) < TOL[dtype], f"cuBLASLt M={M} N={N} K={K}: rel err {_rel(lt, ref):.2e}"
+        assert _rel(got, lt) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_strided_and_shaped_inputs(rng, dtype, skinny16):
+    """x rows as a view (aligned: gemv; unaligned: the fallback), x 1-D and 3-D, and matmul(x, w.T)."""
+    N, K = 129, 512
+    w, b = _weights(rng, N, K, dtype, True)
+    wg, bg = w.to("cuda"), b.to("cuda")
+    wr, br = _f64(w), _f64(b)
+    for M in (1, 3, 8, 11, 16):
+        big = tallow.tensor(rng.standard_normal((M, K + 24)), dtype=dtype).to("cuda")
+        for off in (8, 16, 1):  # 16- and 32-byte aligned views, then an unaligned one
+            x = big[:, off:off + K]
+            ref = _f64(big)[:, off:off + K] @ wr.T + br
+            out = _nan_out(M, N, dtype)
+            tallow.ops.linear(x, wg, bg, out=out)
+            assert _rel(_f64(out), ref) < TOL[dtype], f"M={M} offset {off}"
+        x3 = tallow.tensor(rng.standard_normal((1, M, K)), dtype=dtype)
+        y3 = tallow.ops.linear(x3.to("cuda"), wg, bg)
+        assert tuple(y3.shape) == (1, M, N)
+        assert _rel(_f64(y3)[0], _f64(x3)[0] @ wr.T + br) < TOL[dtype]
+        y = tallow.ops.matmul(x3.to("cuda")[0], wg.T)  # the [K, N] view of w: matmul's gemv path
+        assert _rel(_f64(y), _f64(x3)[0] @ wr.T) < TOL[dtype]
+    x1 = tallow.tensor(rng.standard_normal(K), dtype=dtype)
+    y1 = tallow.ops.linear(x1.to("cuda"), wg, bg)
+    assert tuple(y1.shape) == (N,)
+    assert _rel(_f64(y1), _f64(x1) @ wr.T + br) < TOL[dtype]
+
+
+@pytest.mark.parametrize("N,K", [(1024, 2048), (1024, 3072), (4096, 4096), (1000, 2056)])
+def test_deterministic(rng, skinny16, N, K):
+    """No atomics: the same inputs give bitwise the same outputs, cluster-split shapes included."""
+    w, b = _weights(rng, N, K, "bfloat16", True)
+    wg, bg = w.to("cuda"), b.to("cuda")
+    for M in (1, 6, 16):
+        x = tallow.tensor(rng.standard_normal((M, K)), dtype="bfloat16").to("cuda")
+        first = tallow.ops.linear(x, wg, bg).to("cpu").to("float32").numpy()
+        for _ in range(3):
+            again = tallow.ops.linear(x, wg, bg).to("cpu").to("float32").numpy()
+            np.testing.assert_array_equal(again, first)
+
+
+def test_graph_capture(rng, skinny16):
+    """gemv launches (clusters included) captured into a CUDA graph give fresh results on replay."""
+    dtype = "bfloat16"
+    shapes = [(1024, 2048, 1), (1024, 3072, 12), (4096, 1024, 16), (257, 1000, 5)]
+    ws = [_weights(rng, N, K, dtype, M % 2 == 0) for N, K, M in shapes]
+    wgs = [(w.to("cuda"), b.to("cuda") if b is not None else None) for w, b in ws]
+    xs = [tallow.tensor(rng.standard_normal((M, K)), dtype=dtype).to("cuda") for N, K, M in shapes]
+    outs = [tallow.tensor(np.zeros((M, N), np.float32), dtype=dtype).to("cuda") for N, K, M in shapes]
+    for x, (w, b), o in zip(xs, wgs, outs):
+        tallow.ops.linear(x, w, b, out=o)  # warm-up outside the capture
+    tc.synchronize()
+    g = tc.CUDAGraph()
+    with tc.graph(g):
+        for x, (w, b), o in zip(xs, wgs, outs):
+            tallow.ops.linear(x, w, b, out=o)
+    for _ in range(2):
+        news = []
+        for (N, K, M), x in zip(shapes, xs):
+            a = tallow.tensor(rng.standard_normal((M, K)), dtype=dtype)
+            x.copy_(a.to("cuda"))
+            news.append(_f64(a))
+        g.replay()
+        tc.synchronize()
+        for xa, (w, b), o in zip(news, ws, outs):
+            ref = xa @ _f64(w).T + (_f64(b) if b is not None else 0)
+            assert _rel(_f64(o), ref) < TOL[dtype]
+    g.reset()
+
+
+# Launch configurations covering every kernel instantiation (NT 1/2 by M, rt x unroll, both load
+# policies), CTA sizes 1..16 warps, cluster splits 2..8 (sm_90; forced to 1 below), PDL.
+CONFIGS = ["warps=1,split=1,unroll=2", "warps=16,split=1,unroll=8", "warps=3,split=2,rt=2,unroll=4",
+           "warps=8,split=8,unroll=4,policy=1", "warps=2,split=5,rt=2,unroll=2,pdl=1", "warps=5,split=3,unroll=8",
+           "rt=2,policy=1,pdl=1", "target=4", "target=64,unroll=2", "warps=16,split=8,rt=2,unroll=2,policy=1"]
+
+
+def _check_configs(rng, specs):
+    for spec in specs:
+        tc._c.set_gemv_config(spec)
+        for N, K in [(33, 72), (1000, 2056), (1024, 3072)]:
+            for dtype in ("bfloat16", "float16"):
+                w, b = _weights(rng, N, K, dtype, True)
+                wg, bg = w.to("cuda"), b.to("cuda")
+                for M in (1, 7, 9, 16):
+                    x = tallow.tensor(rng.standard_normal((M, K)), dtype=dtype)
+                    got = _linear(x.to("cuda"), wg, bg, M, N, dtype)
+                    ref = _f64(x) @ _f64(w).T + _f64(b)
+                    assert not np.isnan(got).any(), f"{spec}: M={M} N={N} K={K} outputs left unwritten"
+                    assert _rel(got, ref) < TOL[dtype], f"{spec}: M={M} N={N} K={K} {dtype}"
+
+
+def test_launch_configs(rng):
+    if not hasattr(tc._c, "set_gemv_config"):
+        pytest.skip("tallow.cuda._c.set_gemv_config is not bound in this build")
+    try:
+        _check_configs(rng, CONFIGS)
+        tc._c.set_gemv_config("warps=8,split=2")
+        assert tc._c.gemv_config(1, 4096, 4096).startswith("warps=8,split=")
+        for bad, what in [("warps=0", "warps"), ("split=9", "split"), ("unroll=3", "unroll"), ("foo=1", "foo"),
+                          ("warps", "key=value"), ("rt=x", "integer")]:
+            with pytest.raises(ValueError, match=what):
+                tc._c.set_gemv_config(bad)
+    finally:
+        tc._c.set_gemv_config("")
+
+
+_CHILD = textwrap.dedent("""
+    import numpy as np, tallow, tallow.cuda as tc
+    rng = np.random.default_rng({seed})
+    tc._c.set_skinny_max_m(16)
+    for M in (1, 9, 16):
+        for N, K in ((1024, 3072), (77, 136)):
+            x = tallow.tensor(rng.standard_normal((M, K)), dtype="bfloat16")
+            w = tallow.tensor(rng.standard_normal((N, K)) / np.sqrt(K), dtype="bfloat16")
+            y = tallow.ops.linear(x.to("cuda"), w.to("cuda")).to("cpu").to("float32").numpy().astype(np.float64)
+            ref = x.to("float32").numpy().astype(np.float64) @ w.to("float32").numpy().astype(np.float64).T
+            err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+            assert err < 8e-3, (M, N, K, err)
+    print("ok")
+""")
+
+
+def test_env_config(rng):
+    """TALLOW_GEMV_CONFIG is read at the first gemv launch; a bad value names the variable."""
+    seed = int(rng.integers(1 << 31))
+    env = dict(os.environ, TALLOW_GEMV_CONFIG="warps=3,split=4,unroll=2")
+    r = subprocess.run([sys.executable, "-c", _CHILD.format(seed=seed)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    env["TALLOW_GEMV_CONFIG"] = "warps=99"
+    r = subprocess.run([sys.executable, "-c", _CHILD.format(seed=seed)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "TALLOW_GEMV_CONFIG" in r.stderr and "ValueError" in r.stderr, r.stderr
