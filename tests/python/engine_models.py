@@ -98,7 +98,7 @@ def make_qwen3(path: pathlib.Path, seed: int = 0, dtype: str = "bfloat16", **ove
 
 def hf_greedy_trace(model, prompt_ids, n_new):
     """transformers' greedy continuation on the model's own device and dtype: (tokens, the top-2
-    logit gap at each step, the first step's logits as float64 numpy)."""
+    logit gap at each step, every step's logits as float64 numpy [n_new, vocab])."""
     import torch
 
     dev = next(model.parameters()).device
@@ -110,7 +110,7 @@ def hf_greedy_trace(model, prompt_ids, n_new):
     steps = torch.stack([lg[0].float() for lg in out.logits])  # [n_new, vocab]
     top2 = torch.topk(steps, 2, dim=-1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
-    return tokens, gaps, steps[0].double().cpu().numpy()
+    return tokens, gaps, steps.double().cpu().numpy()
 
 
 def comparable_steps(gaps, tie: float, limit: int) -> int:

@@ -19,7 +19,8 @@ prompts of these shapes): first-step logits rel-L2 <= 0.016, max |Δ| <= 0.020 *
 0.023 (bf16 logits are multiples of 2^-7..2^-6 there, so gaps come in those steps).
 - first-step logits: rel-L2 <= LOGITS_REL_L2 = 0.03 and max |Δ| <= LOGITS_MAX_FRAC = 0.05 of max
   |ref| (about 2x the proxy), on the full rows the runner returns; and the public top-20 logprobs
-  within LOGITS_MAX_FRAC * max |ref| of transformers' log-softmax;
+  within LOGITS_MAX_FRAC * max |ref| of transformers' log-softmax, at the first step and, for half
+  the prompts, at every decode step while the two greedy sequences still agree;
 - greedy: at least 5 of 6 prompts agree on their first 16 tokens, each compared up to the first step
   where transformers' top-2 logits are within TIE = 0.02 (a near-tie: one bf16 ulp of the top logits
   at |logit| in [2, 4) is 0.016; a different argmax there is rounding, and after it the sequences
@@ -72,9 +73,9 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(checkpoints):
-    """(case, dtype) -> (path, prompts, [(tokens, gaps, first logits)] per prompt, reference device)."""
+    """(case, dtype) -> (path, prompts, [(tokens, gaps, logits per step)] per prompt, reference device)."""
     torch = _torch()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = DEVICE if DEVICE.startswith("cuda") and torch.cuda.is_available() else "cpu"
     cache = {}
 
     def get(case, dtype):
@@ -103,28 +104,27 @@ def test_matches_transformers_on_device(references, case, dtype, eager):
     # first step: the full logits rows and the public top-20 logprobs
     with FirstStepLogits(llm) as cap:
         first = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
-    for p, o, (toks, gaps, ref) in zip(prompts, first, refs):
-        scale = np.abs(ref).max()
+    for p, o, (toks, gaps, steps) in zip(prompts, first, refs):
+        ref, scale = steps[0], np.abs(steps[0]).max()
         if o.request_id in cap.rows:
             row = cap.rows[o.request_id]
             err = np.abs(row - ref)
             assert rel_l2(row, ref) <= LOGITS_REL_L2 and err.max() <= LOGITS_MAX_FRAC * scale, (
                 f"{where}, prompt of {len(p)}: first-step logits rel-L2 {rel_l2(row, ref):.3g} (bound "
-                f"{LOGITS_REL_L2}), max |Δ| {err.max():.3g} at token {err.argmax()} (bound {LOGITS_MAX_FRAC * scale:.3g})")
-        lse = ref.max() + np.log(np.exp(ref - ref.max()).sum())
-        entry = o.outputs[0].logprobs[0]
-        ids = list(entry)
-        d = np.abs(np.array([entry[t].logprob for t in ids]) - (ref[ids] - lse))
-        assert d.max() <= LOGITS_MAX_FRAC * scale, (
-            f"{where}, prompt of {len(p)}: top-20 logprob off by {d.max():.3g} at token {ids[d.argmax()]}")
+                f"{LOGITS_REL_L2}), max |Δ| {err.max():.3g} at token {err.argmax()} "
+                f"(bound {LOGITS_MAX_FRAC * scale:.3g})")
+        check_logprobs(where, p, 0, o.outputs[0].logprobs[0], steps[0])
         if gaps[0] >= TIE:
             assert o.outputs[0].token_ids[0] == toks[0], f"{where}, prompt of {len(p)}: first token"
     assert len(cap.rows) == len(prompts), f"{where}: the runner returned no logits rows to compare"
 
-    # greedy generation
-    outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True))
+    # greedy generation; every other prompt also returns top-20 logprobs, checked at each decode step
+    # until its tokens part from transformers' (the sampling path without logprobs runs beside it)
+    params = [SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=20 if i % 2 else None)
+              for i in range(len(prompts))]
+    outs = llm.generate(reqs, params)
     report, agree = [], 0
-    for p, o, (toks, gaps, _) in zip(prompts, outs, refs):
+    for p, o, (toks, gaps, steps) in zip(prompts, outs, refs):
         got = o.outputs[0].token_ids
         assert len(got) == N_NEW and o.outputs[0].finish_reason == "length"
         n = comparable_steps(gaps, TIE, N_CMP)
@@ -134,6 +134,20 @@ def test_matches_transformers_on_device(references, case, dtype, eager):
         report.append(f"  prompt of {len(p)}: compared {n}, {'ok' if ok else 'DIFFERS'}; " +
                       (f"first difference at step {at} (transformers' top-2 gap there {gaps[at]:.3g})"
                        if at is not None else f"all {N_NEW} tokens equal"))
+        if o.outputs[0].logprobs is not None:
+            for step in range(N_NEW if at is None else at + 1):  # same context up to and including `at`
+                check_logprobs(where, p, step, o.outputs[0].logprobs[step], steps[step])
     assert agree >= MIN_AGREE, f"{where}: only {agree} of {len(prompts)} prompts agree:\n" + "\n".join(report)
     assert_graph_mode(llm, eager, max_bs=16)
     assert_engine_idle(llm)
+
+
+def check_logprobs(where, prompt, step, entry, ref_logits):
+    """tallow's top-20 logprobs at one step within LOGITS_MAX_FRAC * max |logit| of transformers'."""
+    scale = np.abs(ref_logits).max()
+    lse = ref_logits.max() + np.log(np.exp(ref_logits - ref_logits.max()).sum())
+    ids = list(entry)
+    d = np.abs(np.array([entry[t].logprob for t in ids]) - (ref_logits[ids] - lse))
+    assert d.max() <= LOGITS_MAX_FRAC * scale, (
+        f"{where}, prompt of {len(prompt)}, step {step}: top-20 logprob off by {d.max():.3g} at token "
+        f"{ids[d.argmax()]} (bound {LOGITS_MAX_FRAC * scale:.3g})")

@@ -56,19 +56,28 @@ def workload(tmp_path_factory):
     return path, [prompts[i] for i in order], [params[i] for i in order]
 
 
-def run(workload, first_logits=False, **engine_args):
-    path, prompts, params = workload
-    llm = LLM(str(path), device=DEVICE, dtype="bfloat16", mem=MEM_MB, max_num_seqs=N_PROMPTS, prefix_cache=False,
-              **engine_args)
+def make(workload, **engine_args):
+    return LLM(str(workload[0]), device=DEVICE, dtype="bfloat16", mem=MEM_MB, max_num_seqs=N_PROMPTS,
+               **{"prefix_cache": False, **engine_args})
+
+
+def generate(llm, workload, logprobs=True):
+    """(tokens, top-2 gaps or None, first-step logits rows) per prompt; checks the pool is free after."""
+    _, prompts, params = workload
+    if not logprobs:
+        params = [sp.clone(logprobs=None) for sp in params]
     with FirstStepLogits(llm) as cap:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for o, sp in zip(outs, params):
         assert len(o.outputs[0].token_ids) == sp.max_tokens and o.outputs[0].finish_reason == "length"
-    toks = [o.outputs[0].token_ids for o in outs]
-    gaps = [top2_gaps(o.outputs[0]) for o in outs]
-    rows = [cap.rows.get(o.request_id) for o in outs]
     assert_engine_idle(llm)
-    return llm, toks, gaps, rows
+    return ([o.outputs[0].token_ids for o in outs], [top2_gaps(o.outputs[0]) for o in outs] if logprobs else None,
+            [cap.rows.get(o.request_id) for o in outs], outs)
+
+
+def run(workload, logprobs=True, **engine_args):
+    llm = make(workload, **engine_args)
+    return (llm,) + generate(llm, workload, logprobs)[:3]
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +99,29 @@ def assert_same_tokens(ref, ref_gaps, got, label):
         f"{parted}; allowed: at most {GRAPH_MAX_PARTED}, each at a gap < {GRAPH_TIE}")
 
 
-@pytest.mark.parametrize("graph_args,max_bs", [(dict(), N_PROMPTS), (dict(cuda_graph_max_bs=16), 16)],
-                         ids=["all-batches", "max-bs-16"])
-def test_graphs_match_eager(workload, eager, graph_args, max_bs):
-    llm, toks, _, _ = run(workload, enforce_eager=False, **graph_args)
+@pytest.mark.parametrize("graph_args,max_bs,logprobs", [(dict(), N_PROMPTS, True), (dict(), N_PROMPTS, False),
+                                                        (dict(cuda_graph_max_bs=16), 16, True)],
+                         ids=["all-batches", "all-batches-no-logprobs", "max-bs-16"])
+def test_graphs_match_eager(workload, eager, graph_args, max_bs, logprobs):
+    llm, toks, _, _ = run(workload, logprobs, enforce_eager=False, **graph_args)
     stats = assert_graph_mode(llm, eager=False, max_bs=max_bs)
     if stats and max_bs < N_PROMPTS and DEVICE != "cpu":
-        # prefills and the decode batches above max_bs ran eagerly, the rest from graphs
-        assert stats["graph_steps"] >= max_bs and stats["eager_steps"] >= N_PROMPTS - max_bs, stats
-    assert_same_tokens(eager[0], eager[1], toks, f"graphs {graph_args or 'default'}")
+        # decode steps of 40..17 sequences (30 of them) ran eagerly, those of 16..1 (16) from graphs
+        assert stats["graph_steps"] >= max_bs // 2 and stats["eager_steps"] >= N_PROMPTS - max_bs, stats
+    assert_same_tokens(eager[0], eager[1], toks, f"graphs {graph_args or 'default'}, logprobs={logprobs}")
 
 
-def test_graphs_repeatable(workload):
-    """Two graph runs of the same batch give the same tokens (nothing stale between replays)."""
-    _, a, gaps, _ = run(workload, enforce_eager=False)
-    _, b, _, _ = run(workload, enforce_eager=False)
-    assert_same_tokens(a, gaps, b, "graph run 2 vs graph run 1")
+def test_graphs_repeat_and_prefix_cache(workload):
+    """The same batch again through the same engine, now with every prompt's full blocks in the prefix
+    cache (prefill of only the tail, attending to cached blocks; graphs replayed a second time): the
+    same tokens as the cold run."""
+    llm = make(workload, enforce_eager=False, prefix_cache=True)
+    cold, gaps, _, _ = generate(llm, workload)
+    warm, _, _, outs = generate(llm, workload)
+    bs = llm.engine.kv.block_size
+    for o, p in zip(outs, workload[1]):
+        assert o.num_cached_tokens == (len(p) - 1) // bs * bs, (len(p), o.num_cached_tokens)
+    assert_same_tokens(cold, gaps, warm, "prefix-cached run vs cold run")
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])

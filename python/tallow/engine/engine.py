@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Optional, Union
 
@@ -19,6 +20,7 @@ from tallow.engine.sampling_params import SamplingParams
 from tallow.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("tallow.engine")
+_STEP_TIMING = os.environ.get("TALLOW_STEP_TIMING", "") not in ("", "0")
 
 PromptType = Union[str, dict, list[int]]
 DEFAULT_CPU_KV_MB = 2048
@@ -313,8 +315,12 @@ class LLMEngine:
         are read back, and the outputs returned are step n-1's. A request whose newest token is still
         on the device holds -(row + 1) in its output ids; the runner fills that token in on the device.
         Penalised requests need their full history on the host, so a step after one sampling them waits."""
-        if not self.overlap:
-            return self._step_sync()
+        with self.runner._on_stream():  # every op of the step (model, sampling, copies) on one stream
+            if not self.overlap:
+                return self._step_sync()
+            return self._step_overlapped()
+
+    def _step_overlapped(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         pending = self._pending
         if pending is not None and pending.needs_history:
@@ -331,9 +337,12 @@ class LLMEngine:
             return []
         to_sample = [r for r in out.requests
                      if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens]
+        timing = self._timing_events()
         logits = self.runner.execute(out, to_sample)
         self.scheduler.after_step(out)
         launched = self.sampler.launch(logits, to_sample, self.eos_ids) if to_sample else None
+        if timing is not None:
+            timing[1].record()
         if launched is not None:
             self.runner.keep_sampled(launched.ids)
         slots = []
@@ -345,17 +354,31 @@ class LLMEngine:
                     req.num_tokens >= self.max_model_len:
                 req.awaiting_final = True
         needs_history = any(_penalised(r.params) for r in to_sample)
-        self._pending = _PendingStep(to_sample, slots, launched, needs_history)
+        self._pending = _PendingStep(to_sample, slots, launched, needs_history, timing)
         t2 = time.perf_counter()
         self.stats["schedule_s"] += t1 - t0
         self.stats["model_s"] += t2 - t1
         self.stats["steps"] += 1
         return self._finish(pending) if pending is not None else []
 
+    def _timing_events(self):
+        """With TALLOW_STEP_TIMING=1 on a GPU: a started (start, end) event pair; stats["gpu_s"] then sums
+        the GPU time of the steps (to compare with the host's time per step)."""
+        if self.device == "cpu" or not _STEP_TIMING:
+            return None
+        from tallow import cuda
+
+        ev = (cuda.Event(True), cuda.Event(True))
+        ev[0].record()
+        return ev
+
     def _finish(self, pending: "_PendingStep") -> list[RequestOutput]:
         """Read a launched step's sampled tokens (waiting for the GPU if needed) and apply them."""
         t0 = time.perf_counter()
         results = pending.launched.results() if pending.launched is not None else []
+        if pending.timing is not None:
+            pending.timing[1].synchronize()
+            self.stats["gpu_s"] = self.stats.get("gpu_s", 0.0) + pending.timing[0].elapsed_time(pending.timing[1]) / 1e3
         changed: dict[str, _Group] = {}
         for req, slot, res in zip(pending.reqs, pending.slots, results):
             entry = self._seq_of.get(req.request_id)
@@ -532,10 +555,11 @@ class LLMEngine:
 class _PendingStep:
     """A launched step whose sampled tokens have not been read back yet."""
 
-    __slots__ = ("reqs", "slots", "launched", "needs_history")
+    __slots__ = ("reqs", "slots", "launched", "needs_history", "timing")
 
-    def __init__(self, reqs, slots, launched, needs_history: bool):
+    def __init__(self, reqs, slots, launched, needs_history: bool, timing=None):
         self.reqs, self.slots, self.launched, self.needs_history = reqs, slots, launched, needs_history
+        self.timing = timing  # (start, end) CUDA events around the step's GPU work, when measured
 
 
 def _penalised(p: SamplingParams) -> bool:
