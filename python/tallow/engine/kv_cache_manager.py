@@ -17,6 +17,7 @@ class KVCacheManager:
         max_cached = None if prefix_cache_max_tokens is None else max(0, prefix_cache_max_tokens // block_size)
         self.pool = BlockPool(num_blocks, enable_prefix_caching, max_cached)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids (read by the runner every step)
         self._num_cached_blocks: dict[str, int] = {}  # blocks of the request registered in the cache
 
     # -- hashing ---------------------------------------------------------------------------------
@@ -60,9 +61,13 @@ class KVCacheManager:
             return False
         self.pool.touch(new_computed_blocks)
         blocks = self.req_blocks.setdefault(req.request_id, [])
+        ids = self.req_block_ids.setdefault(req.request_id, [])
         blocks.extend(new_computed_blocks)
+        ids.extend(b.block_id for b in new_computed_blocks)
         if needed > 0:
-            blocks.extend(self.pool.get_new_blocks(needed))
+            new = self.pool.get_new_blocks(needed)
+            blocks.extend(new)
+            ids.extend(b.block_id for b in new)
         # Blocks whose tokens are all known and will hold KV after this step become shareable.
         self._update_block_hashes(req)
         n_full = min(total // self.block_size, len(req.block_hashes))
@@ -74,12 +79,14 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
+        self.req_block_ids.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, [])]
+        """The request's block ids in order (the manager's own list: do not modify)."""
+        return self.req_block_ids.get(req.request_id, [])
 
     @property
     def num_free_blocks(self) -> int:
