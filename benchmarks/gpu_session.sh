@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # One GPU session on a CUDA machine: build tallow for sm_90 (TALLOW_CUDA_ARCHS overrides), run the
-# CUDA tests and the kernel benchmarks, logs under $OUT (default /tmp/tallow-gpu). Stages can be
-# picked: bash benchmarks/gpu_session.sh [build] [test] [backend] [bench] (default: all four).
-# Wheels in .whl/ (e.g. gguf, the dequantization reference) are installed into /tmp/site first.
+# CUDA tests and the benchmarks, logs and JSON results under $OUT (default /tmp/tallow-gpu).
+# Stages can be picked: bash benchmarks/gpu_session.sh [build] [test] [backend] [engine] [bench] [attn]
+# [sampling] [e2e] (default: all). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
+# installed into /tmp/site first; TALLOW_TEST_DATA defaults to .gpu_data when that folder exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tallow-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${*:-build test backend bench}
+export NCCL_NVLS_ENABLE=0
+STAGES=${*:-build test backend engine bench attn sampling e2e}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
+if [ -z "${TALLOW_TEST_DATA:-}" ] && [ -d .gpu_data ]; then export TALLOW_TEST_DATA=$PWD/.gpu_data; fi
 rc=0
 # This image's default CXX (/opt/gcc/bin/g++) links libstdc++ statically into shared objects, and
 # iostreams in such an extension crash (uninitialised locale); build with the system compiler.
@@ -34,16 +37,37 @@ if has build; then
   echo "build: $(( $(date +%s) - start )) s"
 fi
 python3 -c "import tallow, tallow.cuda as tc; print('tallow', tallow.__file__, 'cuda', tc.is_available(), tc.get_device_name())"
-cd tests/python
+pyt() {  # pytest quietly into $OUT/<name>.log; print the summary and any failures
+  local name=$1; shift
+  (cd tests/python && timeout 900 python3 -m pytest -q -rfs -p no:cacheprovider "$@") >"$OUT/$name.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
+  echo "$name: $(tail -1 "$OUT/$name.log")"
+}
 if has test; then
-  python3 -m pytest -q -rs -p no:cacheprovider test_cuda_runtime.py 2>&1 | tee "$OUT/test_runtime.log" | tail -25 || rc=1
+  pyt kernels test_cuda_runtime.py test_cuda_gemv.py test_cuda_prefill_attention.py test_paged_attention.py \
+    test_paged_attention_fp8.py test_sampling_ops.py test_gpu_sampler.py test_random_fill.py test_dummy_weights.py \
+    test_rope_cache.py test_gated_linear.py
 fi
 if has backend; then
-  python3 -m pytest -q -rf -p no:cacheprovider test_backend_ops.py -k cuda 2>&1 | tee "$OUT/test_backend.log" | \
-    grep -E "FAILED|passed|failed|Error" | tail -60 || rc=1
+  pyt backend test_backend_ops.py -k cuda
 fi
-cd ../..
+if has engine; then
+  pyt engine test_engine_cuda.py test_engine_cuda_bf16.py test_engine_cuda_graphs.py test_engine_overlap.py
+fi
 if has bench; then
-  TALLOW_BENCH_JSON="$OUT/bench.json" python3 benchmarks/bench_cuda.py 2>&1 | tee "$OUT/bench.log" | tail -45 || rc=1
+  TALLOW_BENCH_JSON="$OUT/bench_cuda.json" python3 benchmarks/bench_cuda.py >"$OUT/bench_cuda.log" 2>&1 || rc=1
+  tail -12 "$OUT/bench_cuda.log"
+fi
+if has attn; then
+  python3 benchmarks/bench_attention.py --json "$OUT/attention.json" >"$OUT/attention.log" 2>&1 || rc=1
+  tail -40 "$OUT/attention.log"
+fi
+if has sampling && [ -f benchmarks/bench_sampling.py ]; then
+  python3 benchmarks/bench_sampling.py --json "$OUT/sampling.json" >"$OUT/sampling.log" 2>&1 || rc=1
+  tail -20 "$OUT/sampling.log"
+fi
+if has e2e; then
+  python3 benchmarks/gpu_e2e.py --target all --check-pool --json "$OUT/e2e.json" ${E2E_FLAGS:-} >"$OUT/e2e.log" 2>&1 || rc=1
+  tail -14 "$OUT/e2e.log"
 fi
 exit $rc

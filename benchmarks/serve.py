@@ -66,6 +66,10 @@ def engine_flags(args) -> list[str]:
     out = ["--max-num-seqs", str(args.clients), "--max-model-len", str(args.max_model_len)]
     if args.num_threads:
         out += ["--num-threads", str(args.num_threads)]
+    if args.d is not None:
+        out += ["--d", args.d]
+    if args.load_format:
+        out += ["--load-format", args.load_format]
     if args.mem:
         out += ["--mem", str(args.mem)]
     return out
@@ -178,6 +182,8 @@ def ipc_estimate(sample_outputs, batch: int, repeats: int = 200) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--m"), p.add_argument("--w"), p.add_argument("--f")
+    p.add_argument("--d", help="GPU id (default: CPU)")
+    p.add_argument("--load-format", help="dummy: random weights (the --w folder needs only config.json)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len-min", type=int, default=16)

@@ -1,6 +1,9 @@
 // silu_and_mul / gelu_and_mul on CUDA: x [..., 2d] (rows any strides, last dim contiguous) ->
 // out [..., d] contiguous. Each thread handles one 16-byte vector of the gate and of the up half.
+// PDL (gemv.cuh) under graph capture on sm_90+: trigger the dependents, then wait before any global
+// access; x uses plain loads (no __restrict__: never ld.global.nc, which may move above the wait).
 #include "activation.cuh"
+#include "gemv.cuh"
 #include "launch.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"
@@ -10,11 +13,13 @@ namespace tallow::cuda {
 namespace {
 
 template <class T, int VEC, Act kAct>
-__global__ void gated_kernel(const T* __restrict__ x, Strided rows, bool contig, int64_t d, T* __restrict__ out, int64_t n) {
+__global__ void gated_kernel(const T* x, Strided rows, bool contig, int64_t d, T* __restrict__ out, int64_t n) {
+  pdl_launch_dependents();
+  pdl_wait();
   const int64_t nv = d / VEC;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / nv, c = (i % nv) * VEC;
-    const T* xr = x + (contig ? r * 2 * d : rows.offset(r));
+    const T* xr = x + (contig ? r * 2 * d : row_offset(rows, r));
     float a[VEC], b[VEC];
     load_vec<T, VEC>(xr, c, a);
     load_vec<T, VEC>(xr, d + c, b);
@@ -43,12 +48,15 @@ Tensor gated(const char* op, const Tensor& x_in, const std::optional<Tensor>& ou
     T* po = static_cast<T*>(o.data_ptr());
     bool vec = d % V == 0 && aligned_to(px, 16) && aligned_to(po, 16);
     for (int64_t k = 0; k + 1 < x.dim() && vec; ++k) vec = x.size(k) <= 1 || (x.stride(k) * (int64_t)sizeof(T)) % 16 == 0;
+    const bool pdl = use_pdl(ctx.stream);
     if (vec) {
       const int64_t n = rows * (d / V);
-      gated_kernel<T, V, kAct><<<grid_for(n, 256), 256, 0, ctx.stream>>>(px, ri, contig, d, po, n);
+      TALLOW_CUDA_CHECK(op, launch_kernel(gated_kernel<T, V, kAct>, dim3(grid_for(n, 256)), dim3(256), 0, ctx.stream,
+                                          pdl, px, ri, contig, d, po, n));
     } else {
       const int64_t n = rows * d;
-      gated_kernel<T, 1, kAct><<<grid_for(n, 256), 256, 0, ctx.stream>>>(px, ri, contig, d, po, n);
+      TALLOW_CUDA_CHECK(op, launch_kernel(gated_kernel<T, 1, kAct>, dim3(grid_for(n, 256)), dim3(256), 0, ctx.stream,
+                                          pdl, px, ri, contig, d, po, n));
     }
   });
   TALLOW_CUDA_CHECK_LAUNCH(op);

@@ -8,7 +8,8 @@
 // are cached per shape/layout; a 32 MiB workspace per device is allocated once.
 //
 // Decode shapes (f16/bf16 linear with M <= skinny_max_m() rows, 16-byte rows) take tallow's own GEMV
-// kernel (gemv.cu), which streams w once at HBM bandwidth on the tensor cores.
+// kernel (gemv.cu), which streams w once at HBM bandwidth on the tensor cores; so does gated_linear's
+// (the MLP's down projection with silu_and_mul folded into its x loads).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -346,6 +347,35 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bia
   }
   lt_gemm(op, x2, w.transpose(0, 1), hb ? &bc : nullptr, o2, M, N, K, ctx.stream);
   return o;
+}
+
+// gated_linear (ops/gated_linear.h): decode shapes through the gated gemv, which applies the activation
+// while loading x (one kernel, the same weight stream as linear); else silu_and_mul / gelu_and_mul,
+// then linear. Both round act(gate) * up to x's dtype before the product.
+Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::string& activation,
+                    const std::optional<Tensor>& out) {
+  const char* op = "gated_linear";
+  const int64_t N = w.size(0), K = w.size(1);
+  Shape oshape = x.shape();
+  oshape.back() = N;
+  Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
+  if (o.numel() == 0) return o;
+  const int act = activation == "silu" ? kGemvSilu : (activation == "gelu_tanh" ? kGemvGeluTanh : kGemvGeluErf);
+  const int64_t M = o.numel() / N;
+  OpContext ctx(x);
+  const bool hb = bias && bias->defined();
+  if (K > 0 && M <= skinny_max_m() && x.stride(-1) == 1) {
+    const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, 2 * K}) : x.reshape({M, 2 * K}));
+    if (gemv_gated_supported(x.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(), w.stride(0),
+                             w.stride(1), N)) {
+      const Tensor bc = hb ? contiguous(*bias) : Tensor();
+      gemv_gated(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, act, w.data_ptr(), w.stride(0),
+                 hb ? bc.data_ptr() : nullptr, o.data_ptr(), N, N, K, ctx.stream);
+      return o;
+    }
+  }
+  const Tensor y = act == kGemvSilu ? silu_and_mul(x) : gelu_and_mul(x, act == kGemvGeluTanh ? "tanh" : "none");
+  return linear(y, w, bias, o);
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) {

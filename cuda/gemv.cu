@@ -14,14 +14,20 @@
 // every SM gets work. Partial sums meet in shared memory (in warp order), then through distributed
 // shared memory (in cluster-rank order): deterministic, no atomics, no scratch, one launch, nothing
 // that graph capture forbids.
+//
+// Gated mode (gated_linear): x is [M, 2K] = [gate | up] and the operand is act(gate) * up, rounded
+// to T as silu_and_mul rounds it. Each warp stages its step's operand in shared memory (all 32 lanes
+// share the activations, 4 elements each, whatever M is), then reads its B fragments from there.
 #include "gemv.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
 #include <type_traits>
 
+#include "activation.cuh"
 #include "common.cuh"
 #include "launch.cuh"
 
@@ -39,6 +45,8 @@ struct Args {
   void* out;
   int64_t ldx, ldw, ldo, N, K8;  // K8: K in 16-byte chunks
   int M, steps, split;           // steps: warp steps per row tile; split: CTAs per row tile (cluster)
+  int act;                       // gated mode: GemvAct
+  int stage_off;                 // gated mode: the staging area's offset in shared memory, in floats
 };
 
 // Weight loads: each byte is read once, so keep it out of L1 and first in line for L2 eviction.
@@ -61,6 +69,24 @@ __device__ __forceinline__ uint4 load_w(const uint4* p) {
 __device__ __forceinline__ uint4 load_x(const uint4* p) {
   uint4 r;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint2 load_x8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// 4 elements of act(gate) * up, each rounded to T: the same f32 operations as gated_kernel
+// (activation.cu), so the staged operand is bitwise silu_and_mul's / gelu_and_mul's output.
+template <class T, Act kAct>
+__device__ __forceinline__ uint2 gated4(uint2 g, uint2 u) {
+  const T* gv = reinterpret_cast<const T*>(&g);
+  const T* uv = reinterpret_cast<const T*>(&u);
+  uint2 r;
+  T* rv = reinterpret_cast<T*>(&r);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) rv[j] = from_float<T>(act<kAct>(to_float(gv[j])) * to_float(uv[j]));
   return r;
 }
 
@@ -92,20 +118,10 @@ __device__ __forceinline__ void mma_chunk(float (&c)[4], const uint4& lo, const 
   mma16816<T>(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
 }
 
-// With programmatic dependent launch, waits for the previous kernel (x and out may be its data);
-// a no-op otherwise. Weights are never written by kernels, so their first loads go before it.
-__device__ __forceinline__ void grid_dep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Lets a next kernel launched with PDL start (its pre-wait part: a next gemv's weight loads) while
-// this one drains; it still waits for this grid to finish before reading anything it wrote.
-__device__ __forceinline__ void grid_dep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// PDL (gemv.cuh): weights are never written by kernels on the decode path, so a step's weight loads
+// go before pdl_wait; x, bias and out come after it.
+__device__ __forceinline__ void grid_dep_wait() { pdl_wait(); }
+__device__ __forceinline__ void grid_dep_launch_dependents() { pdl_launch_dependents(); }
 
 // Thread-block cluster barrier halves (sm_90+; the host uses clusters only there). "arrive.relaxed" at
 // the start and its "wait" before the first remote store guarantee every CTA of the cluster runs (its
@@ -135,12 +151,57 @@ __device__ __forceinline__ void store_remote(float* p, int rank, float v) {
 #endif
 }
 
-template <class T, int NT, int RT, int U, int P>
+// Gated mode: a warp's staging row (one token, one step) in bytes. 64 mod 128 keeps the fragment
+// reads conflict-free (the 8 lanes of a 16-byte phase: 2 tokens x 4 chunks on distinct banks).
+template <int U>
+constexpr int stage_row_bytes() {
+  return 4 * U * 16 + 64;
+}
+
+// The operand of one warp step in gated mode: rows m < M of stage (stride stage_row_bytes) get
+// act(gate) * up for chunks [c0, c0 + 4U) of K (chunks past K are left alone: never read). 8-byte
+// items, so all 32 lanes share the activations whatever M is; each lane issues the loads of up to
+// B items before using them (one memory round trip per 32 B items, not per 32).
+template <class T, int U, int B>
+__device__ __forceinline__ void stage_gated(const Args& a, int64_t c0, unsigned char* stage, int lane) {
+  constexpr int HALVES = 2 * 4 * U, RS = stage_row_bytes<U>();  // HALVES: 8-byte items per token row
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t up = a.K8 * 8;  // the up half's column offset
+  const int items = a.M * HALVES;
+  for (int i0 = lane; i0 < items; i0 += 32 * B) {
+    uint2 g[B], u[B];
+    bool on[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int i = i0 + 32 * b, m = i / HALVES, h = i - m * HALVES;
+      const int64_t c = c0 + (h >> 1);
+      on[b] = i < items && c < a.K8;
+      if (on[b]) {
+        const T* p = x + (int64_t)m * a.ldx + c * 8 + (h & 1) * 4;
+        g[b] = load_x8(p);
+        u[b] = load_x8(p + up);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (!on[b]) continue;
+      const int i = i0 + 32 * b, m = i / HALVES, h = i - m * HALVES;
+      uint2 r;
+      if (a.act == kGemvSilu) r = gated4<T, Act::Silu>(g[b], u[b]);
+      else if (a.act == kGemvGeluTanh) r = gated4<T, Act::GeluTanh>(g[b], u[b]);
+      else r = gated4<T, Act::GeluErf>(g[b], u[b]);
+      *reinterpret_cast<uint2*>(stage + m * RS + h * 8) = r;
+    }
+  }
+}
+
+template <class T, int NT, int RT, int U, int P, bool G>
 __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
   constexpr int ROWS = 16 * RT, ROWP = ROWS + 4, TOK = 8 * NT, STEP = 4 * U;  // STEP: chunks per row per step
   // Shared: red[warps][TOK][ROWP] warp partials (the padding makes the stores conflict-free), then with
-  // a cluster gather[split][chunk]: CTA partials of the outputs this CTA finishes, one row per rank.
-  extern __shared__ float red[];
+  // a cluster gather[split][chunk]: CTA partials of the outputs this CTA finishes, one row per rank;
+  // in gated mode then stage[warps][M][stage_row_bytes] (from a.stage_off floats on, 16-byte aligned).
+  extern __shared__ __align__(16) float red[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int rank = (int)(blockIdx.x % (unsigned)a.split);  // == the cluster rank: clusters are (split, 1, 1)
@@ -157,6 +218,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
       const int64_t r = std::min<int64_t>(row0 + 16 * t + 8 * h + g, a.N - 1);
       wp[t][h] = reinterpret_cast<const uint4*>(static_cast<const T*>(a.w) + r * a.ldw) + q;
     }
+  unsigned char* stage = nullptr;
+  if constexpr (G)
+    stage = reinterpret_cast<unsigned char*>(red + a.stage_off) + warp * a.M * stage_row_bytes<U>();
   const uint4* xp[NT];
   bool xon[NT];
 #pragma unroll
@@ -199,13 +263,25 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
       }
     }
     grid_dep_wait();
+    if constexpr (G) {
+      __syncwarp();  // the previous step's fragment reads are done
+      stage_gated<T, U, RT * U >= 8 ? 2 : 4>(a, c0, stage, lane);  // 2 where w's registers leave no room
+      __syncwarp();
+    }
     // x per chunk, just before its mmas (L1 hits; fewer live registers, more warps per SM).
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const bool in = full || c0 + 4 * j + q < a.K8;
       uint4 xv[NT];
 #pragma unroll
-      for (int n = 0; n < NT; ++n) xv[n] = xon[n] && in ? load_x(xp[n] + c0 + 4 * j) : zero;
+      for (int n = 0; n < NT; ++n) {
+        if constexpr (G)
+          xv[n] = xon[n] && in ? *reinterpret_cast<const uint4*>(stage + (8 * n + g) * stage_row_bytes<U>() +
+                                                                 (4 * j + q) * 16)
+                               : zero;
+        else
+          xv[n] = xon[n] && in ? load_x(xp[n] + c0 + 4 * j) : zero;
+      }
 #pragma unroll
       for (int t = 0; t < RT; ++t)
 #pragma unroll
@@ -344,7 +420,7 @@ Launch choose(int64_t M, int64_t N, int64_t K, const DeviceInfo& dev) {
   while (L.rt * L.unroll > (M > 8 ? 4 : 8)) L.unroll /= 2;
   if (L.unroll < 2) L.unroll = 2, L.rt = 1;
   L.policy = o.policy >= 0 ? o.policy : 0;
-  L.pdl = o.pdl > 0 && clusters ? 1 : 0;
+  L.pdl = o.pdl;  // resolved per launch (use_pdl) when -1
   L.tiles = ceil_div(N, 16 * L.rt);
   L.steps = ceil_div(K / 8, 4 * L.unroll);
   // Workers (warps) per row tile: enough that the whole grid keeps `target` warps per SM busy (64 KiB
@@ -383,16 +459,30 @@ Launch choose(int64_t M, int64_t N, int64_t K, const DeviceInfo& dev) {
   return L;
 }
 
-template <class T, int NT, int RT, int U, int P>
-void launch_one(const Launch& L, const Args& a, cudaStream_t stream) {
-  auto kernel = gemv_kernel<T, NT, RT, U, P>;
+// Bytes of dynamic shared memory: warp partials, the cluster gather (rounded to 16 bytes), and in
+// gated mode each warp's staging rows. Sets stage_off.
+template <int NT, int RT, int U, bool G>
+size_t smem_bytes(const Launch& L, Args& a) {
+  const size_t tok_rows = (size_t)(8 * NT) * (16 * RT);
+  size_t floats = (size_t)L.warps * (8 * NT) * (16 * RT + 4);
+  if (L.split > 1) floats += (size_t)L.split * ((tok_rows + L.split - 1) / L.split);
+  floats = (floats + 3) / 4 * 4;
+  a.stage_off = (int)floats;
+  size_t bytes = floats * sizeof(float);
+  if (G) bytes += (size_t)L.warps * a.M * stage_row_bytes<U>();
+  return bytes;
+}
+
+template <class T, int NT, int RT, int U, int P, bool G>
+void launch_one(const Launch& L, Args a, cudaStream_t stream) {
+  auto kernel = gemv_kernel<T, NT, RT, U, P, G>;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3((unsigned)(L.tiles * L.split));
   cfg.blockDim = dim3((unsigned)(32 * L.warps));
-  const int tok_rows = 8 * NT * 16 * RT;
-  cfg.dynamicSmemBytes = ((size_t)L.warps * (8 * NT) * (16 * RT + 4) +
-                          (L.split > 1 ? (size_t)L.split * ((tok_rows + L.split - 1) / L.split) : 0)) *
-                         sizeof(float);
+  cfg.dynamicSmemBytes = smem_bytes<NT, RT, U, G>(L, a);
+  if (cfg.dynamicSmemBytes > 48 * 1024)  // gated mode with many warps and tokens: opt in (per device)
+    TALLOW_CUDA_CHECK("linear", cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     (int)cfg.dynamicSmemBytes));
   cfg.stream = stream;
   cudaLaunchAttribute attrs[2];
   int na = 0;
@@ -413,38 +503,56 @@ void launch_one(const Launch& L, const Args& a, cudaStream_t stream) {
   TALLOW_CUDA_CHECK("linear", cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
-template <class T, int NT, int RT, int U>
+template <class T, int NT, int RT, int U, bool G>
 void launch_p(const Launch& L, const Args& a, cudaStream_t s) {
-  if (L.policy == 1) launch_one<T, NT, RT, U, 1>(L, a, s);
-  else launch_one<T, NT, RT, U, 0>(L, a, s);
+  if (L.policy == 1) launch_one<T, NT, RT, U, 1, G>(L, a, s);
+  else launch_one<T, NT, RT, U, 0, G>(L, a, s);
 }
 
 // (rt, unroll) as choose() leaves them: rt * unroll <= 8 / NT.
-template <class T, int NT>
+template <class T, int NT, bool G>
 void launch_t(const Launch& L, const Args& a, cudaStream_t s) {
   if (L.rt == 2) {
     if constexpr (NT == 1) {
-      if (L.unroll == 4) return launch_p<T, NT, 2, 4>(L, a, s);
+      if (L.unroll == 4) return launch_p<T, NT, 2, 4, G>(L, a, s);
     }
-    launch_p<T, NT, 2, 2>(L, a, s);
+    launch_p<T, NT, 2, 2, G>(L, a, s);
   } else {
     if constexpr (NT == 1) {
-      if (L.unroll == 8) return launch_p<T, NT, 1, 8>(L, a, s);
+      if (L.unroll == 8) return launch_p<T, NT, 1, 8, G>(L, a, s);
     }
-    if (L.unroll == 2) launch_p<T, NT, 1, 2>(L, a, s);
-    else launch_p<T, NT, 1, 4>(L, a, s);
+    if (L.unroll == 2) launch_p<T, NT, 1, 2, G>(L, a, s);
+    else launch_p<T, NT, 1, 4, G>(L, a, s);
   }
 }
 
-template <class T>
+template <class T, bool G>
 void launch_typed(const Launch& L, const Args& a, cudaStream_t s) {
-  if (a.M > 8) launch_t<T, 2>(L, a, s);
-  else launch_t<T, 1>(L, a, s);
+  if (a.M > 8) launch_t<T, 2, G>(L, a, s);
+  else launch_t<T, 1, G>(L, a, s);
 }
 
 std::string describe(const Launch& L) {
   return str_cat("warps=", L.warps, ",split=", L.split, ",rt=", L.rt, ",unroll=", L.unroll, ",policy=", L.policy,
-                 ",pdl=", L.pdl, " (tiles=", L.tiles, ",steps=", L.steps, ")");
+                 ",pdl=", L.pdl < 0 ? std::string("graphs") : std::to_string(L.pdl), " (tiles=", L.tiles,
+                 ",steps=", L.steps, ")");
+}
+
+std::atomic<bool>& pdl_flag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("TALLOW_PDL");
+    return !(e && std::string(e) == "0");
+  }()};
+  return on;
+}
+
+// The launch for this shape with PDL resolved for `stream`.
+Launch choose_for(int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+  const DeviceInfo dev = device_info();
+  Launch L = choose(M, N, K, dev);
+  if (!pdl_flag().load() || dev.major < 9) L.pdl = 0;
+  else if (L.pdl < 0) L.pdl = is_capturing(stream) ? 1 : 0;  // weights are static only on the decode path
+  return L;
 }
 
 }  // namespace
@@ -461,11 +569,33 @@ bool gemv_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, in
 
 void gemv(DType dt, const void* x, int64_t ldx, int M, const void* w, int64_t ldw, const void* bias, void* out,
           int64_t ldo, int64_t N, int64_t K, void* stream) {
-  const Launch L = choose(M, N, K, device_info());
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (dt == DType::BF16) launch_typed<__nv_bfloat16>(L, a, s);
-  else launch_typed<__half>(L, a, s);
+  const Launch L = choose_for(M, N, K, s);
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, 0, 0};
+  if (dt == DType::BF16) launch_typed<__nv_bfloat16, false>(L, a, s);
+  else launch_typed<__half, false>(L, a, s);
+}
+
+bool gemv_gated_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, int64_t x_kstride,
+                          const void* w, int64_t ldw, int64_t w_kstride, int64_t ldo) {
+  if (M > 1 && ldx < 2 * K) return false;
+  return gemv_supported(dt, M, N, K, x, ldx, x_kstride, w, ldw, w_kstride, ldo);
+}
+
+void gemv_gated(DType dt, const void* x, int64_t ldx, int M, int act, const void* w, int64_t ldw, const void* bias,
+                void* out, int64_t ldo, int64_t N, int64_t K, void* stream) {
+  TALLOW_CHECK(act == kGemvSilu || act == kGemvGeluTanh || act == kGemvGeluErf, "gated_linear: bad activation ", act);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const Launch L = choose_for(M, N, K, s);
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, act, 0};
+  if (dt == DType::BF16) launch_typed<__nv_bfloat16, true>(L, a, s);
+  else launch_typed<__half, true>(L, a, s);
+}
+
+bool pdl_enabled() { return pdl_flag().load(); }
+void set_pdl_enabled(bool on) { pdl_flag().store(on); }
+bool use_pdl(void* stream) {  // cheapest test first: eager launches pay one cudaStreamIsCapturing
+  return pdl_flag().load() && is_capturing(static_cast<cudaStream_t>(stream)) && device_info().major >= 9;
 }
 
 std::string gemv_config(int64_t M, int64_t N, int64_t K) { return describe(choose(M, N, K, device_info())); }

@@ -1,6 +1,13 @@
 // rms_norm, fused_add_rms_norm and layer_norm on CUDA (see norm.cuh).
+//
+// PDL (gemv.cuh): under graph capture on sm_90+ the kernels are launched with programmatic dependent
+// launch. Each one first lets its own dependents launch (a next gemv starts streaming weights while
+// this tiny kernel runs), warms L2 with its weight (a prefetch reads nothing), then waits for the
+// previous kernel before its first global load or store. x is read with plain loads (no __restrict__,
+// so never ld.global.nc, which ptxas may hoist above the wait): the previous kernel writes it.
 #include <type_traits>
 
+#include "gemv.cuh"
 #include "launch.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"
@@ -20,15 +27,17 @@ struct NormArgs {
 // The row is cached in shared memory in its storage type (C: the residual's type in mode 1, else
 // X), one Pack per thread and step, so a warp's accesses are contiguous (no bank conflicts).
 template <class X, class R, int VEC, int kMode>
-__global__ void norm_kernel(const X* __restrict__ x, Strided xrows, R* res, Strided rrows, const X* __restrict__ w,
+__global__ void norm_kernel(const X* x, Strided xrows, R* res, Strided rrows, const X* __restrict__ w,
                             const X* __restrict__ b, X* __restrict__ out, NormArgs a) {
   using C = std::conditional_t<kMode == 1, R, X>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Pack<C, VEC>* cache = reinterpret_cast<Pack<C, VEC>*>(smem_raw);
   __shared__ float red[32];
+  pdl_launch_dependents();
+  pdl_wait();
   const int64_t row = blockIdx.x;
-  const X* xr = x + xrows.offset(row);
-  R* rr = kMode == 1 ? res + rrows.offset(row) : nullptr;
+  const X* xr = x + row_offset(xrows, row);
+  R* rr = kMode == 1 ? res + row_offset(rrows, row) : nullptr;
   X* orow = out + row * a.H;
   const int64_t nv = a.H / VEC;
   // The row's values (as stored: x, or the updated residual) for vector v.
@@ -107,29 +116,41 @@ __global__ void norm_kernel(const X* __restrict__ x, Strided xrows, R* res, Stri
 }
 
 // The same three norms with the row held in registers: each thread owns up to KMAX packs (all its
-// loads are issued before the reduction waits on them). Used when nv <= KMAX * blockDim.x.
+// loads are issued before the reduction waits on them). Used when nv <= KMAX * blockDim.x. KMAX = 1
+// is the few-rows (decode) launch, latency-bound: one pack per thread, up to 1024 threads, and w and b
+// loaded with x (one memory round trip); with KMAX = 4 (up to 512 threads, so up to 128 registers
+// without spills) they come after the reduction.
 template <class X, class R, int VEC, int kMode, int KMAX>
-__global__ void norm_reg_kernel(const X* __restrict__ x, Strided xrows, R* res, Strided rrows, const X* __restrict__ w,
-                                const X* __restrict__ b, X* __restrict__ out, NormArgs a) {
+__global__ void __launch_bounds__(KMAX == 1 ? 1024 : 512, 1) norm_reg_kernel(const X* x, Strided xrows, R* res, Strided rrows,
+                                                        const X* __restrict__ w, const X* __restrict__ b,
+                                                        X* __restrict__ out, NormArgs a) {
   using C = std::conditional_t<kMode == 1, R, X>;
+  constexpr bool kEarlyW = KMAX == 1;
   __shared__ float red[32];
-  const int64_t row = blockIdx.x;
-  const X* xr = x + xrows.offset(row);
-  R* rr = kMode == 1 ? res + rrows.offset(row) : nullptr;
-  X* orow = out + row * a.H;
   const int nv = (int)(a.H / VEC);
-  Pack<X, VEC> xp[KMAX];
+  pdl_launch_dependents();
+  if (w) {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int v = threadIdx.x + k * blockDim.x;
+      if (v < nv) prefetch_l2(w + (int64_t)v * VEC);
+    }
+  }
+  pdl_wait();
+  const int64_t row = blockIdx.x;
+  const X* xr = x + row_offset(xrows, row);
+  R* rr = kMode == 1 ? res + row_offset(rrows, row) : nullptr;
+  X* orow = out + row * a.H;
+  Pack<X, VEC> xp[KMAX], wp[KMAX], bp[KMAX];
   Pack<C, VEC> cp[KMAX];
 #pragma unroll
   for (int k = 0; k < KMAX; ++k) {
     const int v = threadIdx.x + k * blockDim.x;
-    if (v < nv) xp[k] = *reinterpret_cast<const Pack<X, VEC>*>(xr + (int64_t)v * VEC);
-  }
-  if constexpr (kMode == 1) {
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int v = threadIdx.x + k * blockDim.x;
-      if (v < nv) cp[k] = *reinterpret_cast<const Pack<R, VEC>*>(rr + (int64_t)v * VEC);
+    if (v < nv) {
+      xp[k] = *reinterpret_cast<const Pack<X, VEC>*>(xr + (int64_t)v * VEC);
+      if constexpr (kMode == 1) cp[k] = *reinterpret_cast<const Pack<R, VEC>*>(rr + (int64_t)v * VEC);
+      if (kEarlyW && w) wp[k] = *reinterpret_cast<const Pack<X, VEC>*>(w + (int64_t)v * VEC);
+      if (kEarlyW && kMode == 2 && b) bp[k] = *reinterpret_cast<const Pack<X, VEC>*>(b + (int64_t)v * VEC);
     }
   }
   float acc = 0.f;
@@ -174,24 +195,16 @@ __global__ void norm_reg_kernel(const X* __restrict__ x, Strided xrows, R* res, 
   for (int k = 0; k < KMAX; ++k) {
     const int v = threadIdx.x + k * blockDim.x;
     if (v >= nv) continue;
-    float wv[VEC], bv[VEC], f[VEC];
-    if (w) {
-      load_vec<X, VEC>(w, (int64_t)v * VEC, wv);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) wv[j] = 1.f;
-    }
-    if (kMode == 2 && b) {
-      load_vec<X, VEC>(b, (int64_t)v * VEC, bv);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) bv[j] = 0.f;
-    }
+    if (!kEarlyW && w) wp[k] = *reinterpret_cast<const Pack<X, VEC>*>(w + (int64_t)v * VEC);
+    if (!kEarlyW && kMode == 2 && b) bp[k] = *reinterpret_cast<const Pack<X, VEC>*>(b + (int64_t)v * VEC);
+    float f[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float fv = to_float(cp[k].v[j]);
-      if constexpr (kMode == 2) f[j] = (fv - mean) * inv * wv[j] + bv[j];
-      else f[j] = fv * inv * (wv[j] + a.w_add);
+      const float wv = w ? to_float(wp[k].v[j]) : 1.f;
+      const float bv = kMode == 2 && b ? to_float(bp[k].v[j]) : 0.f;
+      if constexpr (kMode == 2) f[j] = (fv - mean) * inv * wv + bv;
+      else f[j] = fv * inv * (wv + a.w_add);
     }
     store_vec<X, VEC>(orow, (int64_t)v * VEC, f);
   }
@@ -232,19 +245,27 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
       const X* pw = w ? static_cast<const X*>(w->data_ptr()) : nullptr;
       const X* pb = b ? static_cast<const X*>(b->data_ptr()) : nullptr;
       R* pr = res ? static_cast<R*>(res->data_ptr()) : nullptr;
+      const X* px = static_cast<const X*>(x.data_ptr());
+      X* po = static_cast<X*>(o.data_ptr());
+      const bool pdl = use_pdl(ctx.stream);
       auto run = [&](auto kernel) {
         if (smem > 48 * 1024)
           TALLOW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        kernel<<<(unsigned)rows, threads, smem, ctx.stream>>>(static_cast<const X*>(x.data_ptr()), xr, pr, rr, pw, pb,
-                                                             static_cast<X*>(o.data_ptr()), a);
+        TALLOW_CUDA_CHECK(op, launch_kernel(kernel, dim3((unsigned)rows), dim3(threads), smem, ctx.stream, pdl, px, xr,
+                                            pr, rr, pw, pb, po, a));
       };
       constexpr int KMAX = 4;
-      if (vec && nv <= (int64_t)KMAX * 1024) {
+      if (vec && nv <= 1024 && rows <= sm_count()) {
+        // A few rows (decode) are latency-bound: one pack per thread, as many threads as packs.
+        const int t = (int)std::max<int64_t>(32, (nv + 31) / 32 * 32);
+        TALLOW_CUDA_CHECK(op, launch_kernel(norm_reg_kernel<X, R, V, kMode, 1>, dim3((unsigned)rows), dim3(t), 0,
+                                            ctx.stream, pdl, px, xr, pr, rr, pw, pb, po, a));
+      } else if (vec && nv <= (int64_t)KMAX * 512) {
         // Registers: enough threads that each holds at most KMAX packs (at least 2 per thread when possible).
         const int64_t want = std::max<int64_t>(32, (ceil_div(nv, KMAX) + 31) / 32 * 32);
-        const int t = (int)std::min<int64_t>(1024, std::max<int64_t>(want, std::min<int64_t>(128, (nv / 2 + 31) / 32 * 32)));
-        norm_reg_kernel<X, R, V, kMode, KMAX><<<(unsigned)rows, t, 0, ctx.stream>>>(
-            static_cast<const X*>(x.data_ptr()), xr, pr, rr, pw, pb, static_cast<X*>(o.data_ptr()), a);
+        const int t = (int)std::min<int64_t>(512, std::max<int64_t>(want, std::min<int64_t>(128, (nv / 2 + 31) / 32 * 32)));
+        TALLOW_CUDA_CHECK(op, launch_kernel(norm_reg_kernel<X, R, V, kMode, KMAX>, dim3((unsigned)rows), dim3(t), 0,
+                                            ctx.stream, pdl, px, xr, pr, rr, pw, pb, po, a));
       } else if (vec) {
         run(norm_kernel<X, R, V, kMode>);
       } else {

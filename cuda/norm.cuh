@@ -30,4 +30,10 @@ __device__ __forceinline__ void store_vec(T* p, int64_t e, const float (&f)[VEC]
   *reinterpret_cast<Pack<T, VEC>*>(p + e) = v;
 }
 
+// Element offset of row `row` of a row_index() descriptor: one multiply in the usual case of a single
+// (merged) leading dimension, instead of 64-bit divisions.
+__device__ __forceinline__ int64_t row_offset(const Strided& s, int64_t row) {
+  return s.ndim == 1 ? row * s.stride[0] : s.offset(row);
+}
+
 }  // namespace tallow::cuda

@@ -40,6 +40,7 @@ Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> ou
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
+Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::string& activation, const std::optional<Tensor>& out);
 // Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 16;
 // TALLOW_SKINNY_MAX_M sets it at start; 0 turns the skinny kernel off).
 int skinny_max_m();
@@ -63,6 +64,7 @@ void fill_uniform_(Tensor& t, float low, float span, uint64_t key);
 // rope.cu
 void rotary_embedding(const Tensor& positions, Tensor& q, std::optional<Tensor> k, const Tensor& cos_sin_cache,
                       bool neox);
+bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos_sin_cache, bool neox, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot_mapping, const std::optional<Tensor>& q_norm_weight, const std::optional<Tensor>& k_norm_weight, float norm_eps, bool gemma_norm, float k_scale, float v_scale);  // rope_cache.cu (ops/rope_cache.h); false: the caller runs the composition
 // sampling.cu (ops/sampling.h); set_sampling_buffer_capacity shrinks the candidate buffer (tests
 // use it to reach the multi-pass paths; n <= 0 restores the default)
 void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor& token_counts,

@@ -1,5 +1,7 @@
 // reshape_and_cache and paged_attention on CUDA (contracts in cpp/ops/paged_attention.h).
 //
+// reshape_and_cache writes K and V in one launch (eight elements a thread where rows and strides
+// allow); fp8 caches get e4m3(x / scale), bit-exact with the CPU, a NaN keeping its sign.
 // paged_attention dispatch: i64 indices are cast to i32 on the device; then a decode batch (one
 // query row per sequence, T == B, read from shapes) goes to the split-KV decode kernel
 // (attention/decode.cu), other batches to the tensor-core prefill kernel (attention/prefill.cu);
@@ -34,11 +36,35 @@ __global__ void check_slots_kernel(IndexArg slots, int64_t T, int64_t nslots, in
     if (slots(i) >= nslots) atomicMax(flag, 1);
 }
 
-// The cache's value of x: fp8 caches hold x / scale (one f32 division, then e4m3 rounding).
-template <class C>
-__device__ __forceinline__ C cache_value(float x, float scale) {
-  if constexpr (std::is_same_v<C, F8E4M3>) return from_float<C>(x / scale);
-  else return from_float<C>(x);
+// Sign bit and NaN-ness of a source element, from its bits (a GPU division turns any NaN into the
+// canonical positive one, so the sign must be taken before dividing).
+__device__ __forceinline__ bool nan_bits(float x, uint32_t& sign) {
+  const uint32_t u = __float_as_uint(x);
+  sign = u >> 31;
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+__device__ __forceinline__ bool nan_bits(__half x, uint32_t& sign) {
+  const uint32_t u = __half_as_ushort(x);
+  sign = u >> 15;
+  return (u & 0x7fffu) > 0x7c00u;
+}
+__device__ __forceinline__ bool nan_bits(__nv_bfloat16 x, uint32_t& sign) {
+  const uint32_t u = __bfloat16_as_ushort(x);
+  sign = u >> 15;
+  return (u & 0x7fffu) > 0x7f80u;
+}
+
+// The cache's value of x: fp8 caches hold x / scale (one f32 division, then e4m3 rounding); a NaN
+// keeps its sign (0x7f | sign), as on the CPU.
+template <class C, class S>
+__device__ __forceinline__ C cache_value(S x, float scale) {
+  if constexpr (std::is_same_v<C, F8E4M3>) {
+    uint32_t sign;
+    if (nan_bits(x, sign)) return F8E4M3{(uint8_t)(0x7fu | (sign << 7))};
+    return from_float<C>(to_float(x) / scale);
+  } else {
+    return from_float<C>(to_float(x));
+  }
 }
 
 // Eight consecutive elements, moved with the widest aligned accesses (16 bytes at most).
@@ -47,37 +73,60 @@ struct alignas(8 * sizeof(T) > 16 ? 16 : 8 * sizeof(T)) Pack8 {
   T v[8];
 };
 
+// K and V of one step in one launch.
 template <class S, class C>
-__global__ void write_cache_kernel(const S* __restrict__ src, int64_t st, int64_t sh, IndexArg slots, int64_t T,
-                                   int64_t H, int64_t D, C* __restrict__ cache, CacheArg ca, int64_t bs,
-                                   int64_t nslots, float scale) {
-  const int64_t n = T * H * D;
+struct KVWrite {
+  const S* src[2];  // k, v
+  int64_t st[2], sh[2];
+  C* cache[2];
+  CacheArg ca[2];
+  int64_t d[2];  // head dims of k and v
+  float scale[2];
+};
+
+// Work item i covers W elements: items of one (token, head) run over K's row then V's row, so both
+// are coalesced. W = 8 needs every row and stride aligned to Pack8 (pack8_ok), W = 1 nothing.
+template <class S, class C, int W>
+__global__ void write_kv_kernel(KVWrite<S, C> a, IndexArg slots, int64_t T, int64_t H, int64_t bs, int64_t nslots) {
+  const int64_t nk = a.d[0] / W, per = nk + a.d[1] / W, n = T * H * per;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t d = i % D, h = (i / D) % H, t = i / (D * H);
+    int64_t c = i % per;
+    const int64_t h = (i / per) % H, t = i / (per * H);
     const int64_t slot = slots(t);
     if (slot < 0 || slot >= nslots) continue;
+    const int which = c >= nk;
+    if (which) c -= nk;
     const int64_t blk = slot / bs, row = slot % bs;
-    cache[blk * ca.sb + row * ca.sr + h * ca.sh + d] = cache_value<C>(to_float(src[t * st + h * sh + d]), scale);
+    const S* src = a.src[which] + t * a.st[which] + h * a.sh[which] + W * c;
+    C* dst = a.cache[which] + blk * a.ca[which].sb + row * a.ca[which].sr + h * a.ca[which].sh + W * c;
+    const float scale = a.scale[which];
+    if constexpr (W == 8) {
+      const Pack8<S> x = *reinterpret_cast<const Pack8<S>*>(src);
+      Pack8<C> y;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) y.v[k] = cache_value<C>(x.v[k], scale);
+      *reinterpret_cast<Pack8<C>*>(dst) = y;
+    } else {
+      *dst = cache_value<C>(*src, scale);
+    }
   }
 }
 
-// The same, eight elements a thread (D % 8 == 0, rows and strides aligned to Pack8).
-template <class S, class C>
-__global__ void write_cache_vec_kernel(const S* __restrict__ src, int64_t st, int64_t sh, IndexArg slots, int64_t T,
-                                       int64_t H, int64_t D, C* __restrict__ cache, CacheArg ca, int64_t bs,
-                                       int64_t nslots, float scale) {
-  const int64_t n8 = D / 8, n = T * H * n8;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t c = i % n8, h = (i / n8) % H, t = i / (n8 * H);
-    const int64_t slot = slots(t);
-    if (slot < 0 || slot >= nslots) continue;
-    const int64_t blk = slot / bs, row = slot % bs;
-    const Pack8<S> x = *reinterpret_cast<const Pack8<S>*>(src + t * st + h * sh + 8 * c);
-    Pack8<C> y;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) y.v[k] = cache_value<C>(to_float(x.v[k]), scale);
-    *reinterpret_cast<Pack8<C>*>(cache + blk * ca.sb + row * ca.sr + h * ca.sh + 8 * c) = y;
-  }
+// One cache's rows (when k and v, or their caches, differ in dtype: two launches).
+template <class S, class C, int W>
+void write_one(const Tensor& src, const Tensor& cache, int64_t d, float scale, IndexArg slots, int64_t T, int64_t H,
+               int64_t bs, int64_t nslots, cudaStream_t stream) {
+  KVWrite<S, C> a{};
+  a.src[0] = static_cast<const S*>(src.data_ptr());
+  a.st[0] = src.stride(0), a.sh[0] = src.stride(1);
+  a.cache[0] = static_cast<C*>(cache.data_ptr());
+  a.ca[0] = cache_arg(cache);
+  a.d[0] = d;
+  a.scale[0] = scale;
+  a.src[1] = a.src[0], a.cache[1] = a.cache[0], a.ca[1] = a.ca[0], a.st[1] = a.st[0], a.sh[1] = a.sh[0];
+  a.scale[1] = scale;
+  a.d[1] = 0;
+  write_kv_kernel<S, C, W><<<grid_for(T * H * (d / W), 256), 256, 0, stream>>>(a, slots, T, H, bs, nslots);
 }
 
 template <class T>
@@ -223,19 +272,42 @@ void reshape_and_cache(const Tensor& k_in, const Tensor& v_in, const Tensor& k_c
   }
   if (T == 0 || Hk == 0) return;
   const Tensor k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  if (k.dtype() == v.dtype() && k_cache.dtype() == v_cache.dtype()) {  // the usual case: one launch
+    dispatch2(op, k.dtype(), k_cache.dtype(), [&](auto stag, auto ctag) {
+      using S = decltype(stag);
+      using C = decltype(ctag);
+      KVWrite<S, C> a{};
+      const Tensor* srcs[2] = {&k, &v};
+      const Tensor* caches[2] = {&k_cache, &v_cache};
+      const float scales[2] = {k_scale, v_scale};
+      bool vec = true;
+      for (int w = 0; w < 2; ++w) {
+        a.src[w] = static_cast<const S*>(srcs[w]->data_ptr());
+        a.st[w] = srcs[w]->stride(0), a.sh[w] = srcs[w]->stride(1);
+        a.cache[w] = static_cast<C*>(caches[w]->data_ptr());
+        a.ca[w] = cache_arg(*caches[w]);
+        a.d[w] = w ? Dv : D;
+        a.scale[w] = scales[w];
+        vec = vec && pack8_ok<S>(*srcs[w], a.d[w]) && pack8_ok<C>(*caches[w], a.d[w]);
+      }
+      if (vec)
+        write_kv_kernel<S, C, 8><<<grid_for(T * Hk * (D + Dv) / 8, 256), 256, 0, ctx.stream>>>(a, slots, T, Hk, bs,
+                                                                                               nslots);
+      else
+        write_kv_kernel<S, C, 1><<<grid_for(T * Hk * (D + Dv), 256), 256, 0, ctx.stream>>>(a, slots, T, Hk, bs, nslots);
+    });
+    TALLOW_CUDA_CHECK_LAUNCH(op);
+    return;
+  }
   auto write = [&](const Tensor& src, const Tensor& cache, int64_t d, float scale) {
     if (d == 0) return;
     dispatch2(op, src.dtype(), cache.dtype(), [&](auto stag, auto ctag) {
       using S = decltype(stag);
       using C = decltype(ctag);
-      const S* sp = static_cast<const S*>(src.data_ptr());
-      C* cp = static_cast<C*>(cache.data_ptr());
       if (pack8_ok<S>(src, d) && pack8_ok<C>(cache, d))
-        write_cache_vec_kernel<S, C><<<grid_for(T * Hk * d / 8, 256), 256, 0, ctx.stream>>>(
-            sp, src.stride(0), src.stride(1), slots, T, Hk, d, cp, cache_arg(cache), bs, nslots, scale);
+        write_one<S, C, 8>(src, cache, d, scale, slots, T, Hk, bs, nslots, ctx.stream);
       else
-        write_cache_kernel<S, C><<<grid_for(T * Hk * d, 256), 256, 0, ctx.stream>>>(
-            sp, src.stride(0), src.stride(1), slots, T, Hk, d, cp, cache_arg(cache), bs, nslots, scale);
+        write_one<S, C, 1>(src, cache, d, scale, slots, T, Hk, bs, nslots, ctx.stream);
     });
     TALLOW_CUDA_CHECK_LAUNCH(op);
   };

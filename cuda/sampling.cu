@@ -1,29 +1,37 @@
 // Sampling on CUDA (contracts and the RNG in cpp/ops/sampling.h): apply_penalties, sample_tokens,
-// logprobs. sample_tokens and logprobs run one CTA of 512 threads per row; the row is read with
-// 16-byte loads, the next step's loads in flight while the current one is processed.
+// logprobs. Rows are streamed with 16-byte loads, several in flight per thread.
 //
-// sample_tokens, per row:
-//   greedy             one pass: argmax (NaN largest, first index).
-//   no filters         one pass: argmax of x + g over the row. g < kGumbelMax, so a token whose
-//                      x + kGumbelMax is below the thread's best so far cannot win and its hash and
-//                      logs are skipped (exact, not an approximation).
-//   top-k (k <= 1024)  one pass collects the candidates into shared memory: tokens at or above a
-//                      threshold key, raised as the buffer fills to the k-th largest in the buffer
-//                      (a radix select in shared memory, then compaction). The k-th largest of a
-//                      subset is at most the row's, so every token of the top-k (ties included)
-//                      is collected. The max, top-k, min-p, top-p and the draw then run on the
-//                      buffer.
-//   otherwise          a pass for the max (and, for top-p alone, the softmax sum S), then radix
-//                      selects over the row: three levels (11, 11, 10 bits of the key), each a
-//                      histogram pass whose elements of the chosen bin are also collected; once
-//                      they fit in the buffer, the next levels (and, when the first level's
-//                      collection fit, the draw) run there. Top-p histograms skip tokens with
-//                      e < (1 - top_p) S / (2 V): together they weigh less than (1 - top_p) S, so
-//                      the threshold is above them. The last pass draws over the kept tokens.
+// sample_tokens is one launch of `split` CTAs of 512 threads per row: split > 1 (a thread-block
+// cluster, sm_90+) when the batch is too small to fill the GPU with one CTA per row. Per row:
+//   greedy        each CTA streams its share of the row once: argmax (NaN largest, first index);
+//                 the cluster combines the CTAs' results through distributed shared memory.
+//   no filters    each CTA streams its share once: argmax of x + g. One multiply bounds x from
+//                 above; a token whose bound + kGumbelMax is below the CTA's best score so far (in
+//                 shared memory) is skipped unhashed, one whose bound + gumbel_bound(h) is below it
+//                 is skipped without the division and the logs. Both are exact (a skipped token
+//                 can neither win nor tie), so a row's token does not depend on the split; the few
+//                 tokens left compute x = logit / T and g as the CPU does.
+//   Filtered rows run on the row's first CTA alone (the others exit at once):
+//   top-k <= 1024 one pass collects the candidates into shared memory: tokens at or above a
+//                 threshold, raised as the buffer fills to the k-th largest in the buffer (the
+//                 k-th largest of a subset is at most the row's, so every token of the top-k, ties
+//                 included, is collected). Max, top-k, min-p, top-p and the draw then run on the
+//                 buffer.
+//   min-p         one pass collects the tokens with x >= (running max) + log(min_p) - slack: a
+//                 superset of the kept tokens, and of a top-k's kept ones, whatever k.
+//   top-p alone   a pass for the max, then one pass that sums every token's exact mass and collects
+//                 the 2048 largest x; when the nucleus threshold (from the exact total) lies above
+//                 every token left out, the rest runs on the buffer.
+//   otherwise, or when the buffer overflows: a pass for the max (and, for top-p alone, the softmax
+//                 sum S), then radix selects over the row: three levels (11, 11, 10 bits of the
+//                 key), each a histogram pass whose elements of the chosen bin are also collected;
+//                 once they fit in the buffer, the next levels (and, when the first level's
+//                 collection fit, the draw) run there. Top-p histograms skip tokens with
+//                 e < (1 - top_p) S / (2 V): together they weigh less than (1 - top_p) S, so the
+//                 threshold is above them. The last pass draws over the kept tokens.
 //   The thresholds are those of the CPU: integer masses, the same keys, the same ties.
-// No host synchronisation, no allocation but the output: graph-capturable. A row whose candidates
-// overflow the buffer (huge ties, top-p over a flat distribution) takes the multi-pass path.
-// Known limit: one CTA per row, so B much smaller than the SM count leaves the GPU mostly idle.
+// No host synchronisation, no allocation but the output: graph-capturable.
+#include <algorithm>
 #include <atomic>
 
 #include "launch.cuh"
@@ -38,22 +46,9 @@ using namespace sampling_dev;
 
 std::atomic<int> g_cap{kCap};
 
-// ---- shared pieces ----------------------------------------------------------------------------
+// ---- draws ------------------------------------------------------------------------------------
 
-template <class T>
-__device__ int32_t greedy_row(Smem& s, const RowRef<T>& rr) {
-  u64 best = 0;
-  visit_row(rr, [&](float v, int64_t i, bool valid) {
-    if (valid) {
-      const u64 k = rank_key(v, i);
-      best = k > best ? k : best;
-    }
-  });
-  best = block_max_u64(best, s.red64);
-  return (int32_t)key_index(best);
-}
-
-// Which tokens the draw keeps (besides x > -inf).
+// Which tokens a draw keeps (besides x > -inf).
 struct Kept {
   bool inf_only = false;  // the max is +inf: the +inf tokens
   float m = 0.f;
@@ -69,171 +64,302 @@ struct Kept {
     return (min_p <= 0.f || e >= min_p) && (!top_p || float_bits(e) >= t_key);
   }
 };
+struct KeepAll {
+  __device__ __forceinline__ bool operator()(float) const { return true; }
+};
 
-// argmax over kept tokens of x + g (ties: lower index); -1 when nothing is kept.
+// The draw's score of a kept token: +inf for x = +inf (those win, the first one), else x + g
+// (finite: g < 17.4 cannot carry a finite x past FLT_MAX).
+__device__ __forceinline__ float score(float x, uint32_t h) { return x == INFINITY ? INFINITY : x + gumbel_bits(h); }
+
+// CTA `rank` of `split`: its share's best kept token as a score_key, block-uniform (0: none).
+template <class T, class K>
+__device__ u64 draw_slice(Smem& s, const T* row, bool vec, int64_t V, int split, int rank, const Scale& sc,
+                          RowKey key, const K& kept) {
+  if (threadIdx.x == 0) s.best = 0;
+  __syncthreads();
+  float bv = -INFINITY, thr = -INFINITY;  // thr: a score some token of this CTA reached (clamped)
+  int64_t bi = -1;
+  auto step = [&] {
+    const uint32_t b = *reinterpret_cast<volatile uint32_t*>(&s.best);
+    if (b) thr = fmaxf(thr, fminf(key_value(b), 1e38f));
+  };
+  // x + g <= upper + bound(h) (+ the bound's slack), so d > bound(h) means x + g < thr: skip. NaN
+  // (raw NaN, or nothing reached yet) never skips. thr <= 1e38 keeps a token whose bound overflows
+  // (x may be +inf) from ever being skipped. Hashes only when some element of the pack is within
+  // kGumbelMax of thr, then branch-free.
+  auto test = [&](const auto& f, int64_t i0) -> uint32_t {
+    constexpr int M = sizeof(f) / sizeof(float);
+    float d[M];
+    bool near = false;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      d[j] = thr - sc.upper(f[j]);
+      near |= !(d[j] > kGumbelMax);
+    }
+    if (!near) return 0u;
+    uint32_t bits = 0;
+#pragma unroll
+    for (int j = 0; j < M; ++j)
+      bits |= (uint32_t)(!(d[j] > kGumbelMax) && !(gumbel_bound(token_bits(key, i0 + j)) < d[j])) << j;
+    return bits;
+  };
+  auto slow = [&](int64_t i) {
+    const float x = sc.exact(to_float(row[i]));
+    if (!(x > -INFINITY) || !kept(x)) return;
+    const float v = score(x, token_bits(key, i));
+    if (bi < 0 || v > bv) {  // this thread's indices increase: an equal score loses
+      bv = v;
+      bi = i;
+      thr = fmaxf(thr, fminf(v, 1e38f));
+      atomicMax(&s.best, order_key(v == 0.f ? 0.f : v));
+    }
+  };
+  for_slice<T>(row, vec, V, split, rank, test, slow, step);
+  return block_max_u64(bi < 0 ? 0ull : score_key(bv, bi), s.red64);
+}
+
+// The draw over the buffer (complete) or the whole row; -1 when nothing is kept.
 template <class T>
-__device__ int32_t draw(Smem& s, const RowRef<T>& rr, bool in_buf, int cap, float temp, uint64_t key,
+__device__ int32_t draw(Smem& s, const RowRef<T>& rr, bool in_buf, int cap, const Scale& sc, RowKey key,
                         const Kept& kept) {
+  u64 best;
+  if (in_buf) {
+    float bv = -INFINITY;
+    int64_t bi = -1;
+    visit_buf(s, cap, [&](float x, int64_t i, bool valid) {
+      if (!valid || !(x > -INFINITY)) return;
+      const uint32_t h = token_bits(key, i);
+      if (bi >= 0 && x + gumbel_bound(h) < bv) return;  // cannot win or tie
+      if (!kept(x)) return;
+      const float v = score(x, h);
+      if (bi < 0 || v > bv || (v == bv && i < bi)) bv = v, bi = i;
+    });
+    best = block_max_u64(bi < 0 ? 0ull : score_key(bv, bi), s.red64);
+  } else {
+    best = draw_slice(s, rr.row, rr.vec_ok, rr.n, 1, 0, sc, key, kept);
+  }
+  return best == 0 ? -1 : score_index(best);
+}
+
+// ---- greedy and the row max ---------------------------------------------------------------------
+
+// CTA `rank`'s share: rank_key of its argmax (NaN largest, first index), block-uniform.
+template <class T>
+__device__ u64 greedy_slice(Smem& s, const T* row, bool vec, int64_t V, int split, int rank) {
   float bv = -INFINITY;
   int64_t bi = -1;
-  auto f = [&](float x, int64_t i, bool valid) {
-    if (!valid || !(x > -INFINITY)) return;
-    if (bi >= 0 && x + kGumbelMax < bv) return;  // cannot beat this thread's best
-    if (!kept(x)) return;
-    const float v = x + gumbel(key, i);
-    if (bi < 0 || v > bv || (v == bv && i < bi)) bv = v, bi = i;
-  };
-  if (in_buf)
-    visit_buf(s, cap, f);
-  else
-    visit_row(rr, [&](float raw, int64_t i, bool valid) { f(scaled_logit(raw, temp), i, valid); });
-  const u64 packed = bi < 0 ? 0ull : ((u64)order_key(bv) << 32) | (u64)(0xffffffffu - (uint32_t)bi);
-  const u64 best = block_max_u64(packed, s.red64);
-  return best == 0 ? -1 : (int32_t)(0xffffffffu - (uint32_t)(best & 0xffffffffu));
+  for_slice<T>(
+      row, vec, V, split, rank,
+      [&](const auto& f, int64_t i0) {
+        constexpr int M = sizeof(f) / sizeof(float);
+#pragma unroll
+        for (int j = 0; j < M; ++j)
+          if (bi < 0 || f[j] > bv || (f[j] != f[j] && bv == bv)) bv = f[j], bi = i0 + j;
+        return 0u;
+      },
+      [](int64_t) {}, [] {});
+  return block_max_u64(bi < 0 ? 0ull : (u64)rank_key(bv, bi), s.red64);
 }
 
-// Keeps the buffer's elements with key >= the k-th largest key (all when fewer than k) and raises
-// the append threshold to it. In place, one block of kThreads elements at a time: a block's
-// survivors land below its end, and the block was read before anything is written.
+// The largest non-NaN raw logit of the row (-inf if none), block-uniform.
 template <class T>
-__device__ void compact(Smem& s, const RowRef<T>& rr, int cap, int k, float temp) {
-  bool in_buf = true, complete = true;
-  SelectArgs a;
-  a.k = k;
-  a.temp = temp;
-  const uint32_t tk = radix_select<false>(s, rr, cap, in_buf, complete, a);
-  if (tk == 0) return;
-  const int n = min(s.n, cap);
-  __syncthreads();
-  if (threadIdx.x == 0) s.n = 0;
-  __syncthreads();
-  for (int j0 = 0; j0 < n; j0 += kThreads) {
-    const int j = j0 + (int)threadIdx.x;
-    float x = 0.f;
-    int32_t i = 0;
-    bool take = false;
-    if (j < n) {
-      x = s.bx[j];
-      i = s.bi[j];
-      take = order_key(x) >= tk;
-    }
-    __syncthreads();
-    append(s, take, x, i, cap);
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) s.thr = tk;
-  __syncthreads();
+__device__ float row_max(Smem& s, const T* row, bool vec, int64_t V) {
+  float mt = -INFINITY;
+  for_slice<T>(
+      row, vec, V, 1, 0,
+      [&](const auto& f, int64_t) {
+        constexpr int M = sizeof(f) / sizeof(float);
+#pragma unroll
+        for (int j = 0; j < M; ++j) mt = fmaxf(mt, f[j]);
+        return 0u;
+      },
+      [](int64_t) {}, [] {});
+  return block_max(mt, s.redf);
 }
 
-// One pass over the row collecting every finite token that can be among the k largest x into the
-// buffer (see the file comment); on(x, i, valid) sees every element. False when the buffer
-// overflowed (the pass still runs to the end for on()).
-template <class T, class On>
-__device__ bool stream_topk(Smem& s, const RowRef<T>& rr, int cap, int k, float temp, On&& on) {
-  if (threadIdx.x == 0) s.n = 0, s.thr = 0;
+// ---- filtered rows ------------------------------------------------------------------------------
+
+// min-p streaming: one pass collecting every token with x >= floor(max so far), where floor(m) =
+// m + log(min_p) - slack lies below every x with expf(x - m) >= min_p (expf within 2 ulp, the
+// roundings of the subtraction and of log: 1e-5 + 2^-18 (|m| + |log min_p|) covers them). The
+// running max only rises, so the buffer ends holding a superset of the final min-p set, which is a
+// top set of x (e is monotone in x): the draw, and a top-k over the buffer, are then exact.
+// m_out: the exact max x. False when the buffer overflowed.
+__device__ __forceinline__ float minp_floor(float m, float lnmp) {
+  if (!(m > -INFINITY && m < INFINITY)) return m;
+  return m + lnmp - (1e-5f + 0x1p-18f * (fabsf(m) + fabsf(lnmp)));
+}
+
+template <class T>
+__device__ __noinline__ bool stream_minp(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, float lnmp, float& m_out) {
+  if (threadIdx.x == 0) s.n = 0, s.best = order_key(-INFINITY);
   __syncthreads();
+  float mloc = -INFINITY;
+  uint32_t published = order_key(-INFINITY);
   bool ok = true;
-  float cur[kVec], nxt[kVec];
-  int64_t i0 = (int64_t)threadIdx.x * kVec;
-  load8(rr, i0, cur);
-  for (int64_t b = 0; b < rr.n; b += kChunk) {
-    const bool more = b + kChunk < rr.n;
-    if (more) load8(rr, i0 + kChunk, nxt);
-    const uint32_t thr = s.thr;
+  stream_row(rr, [&](const float (&v)[kVec], int64_t i0) {
+    const float thr_x = minp_floor(sc.exact(key_value(s.best)), lnmp);  // s.best stable in a step
+    float xs[kVec];
+    bool any = false;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float x = to_x(cur[j], temp);
-      const bool valid = i0 + j < rr.n;
-      on(x, i0 + j, valid);
-      append(s, ok && valid && x > -INFINITY && order_key(x) >= thr, x, i0 + j, cap);
+      xs[j] = -INFINITY;
+      if (i0 + j < rr.n) {
+        mloc = fmaxf(mloc, v[j]);
+        if (sc.upper(v[j]) >= thr_x) xs[j] = sc.exact(v[j]);
+      }
+      any |= xs[j] > -INFINITY && xs[j] >= thr_x;
+    }
+    if (__any_sync(0xffffffffu, any)) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) append(s, xs[j] > -INFINITY && xs[j] >= thr_x, xs[j], i0 + j, cap);
+    }
+    const uint32_t mk = order_key(mloc == 0.f ? 0.f : mloc);
+    if (mk > published) {
+      atomicMax(&s.best, mk);
+      published = mk;
     }
     __syncthreads();
     const int n = s.n;
-    __syncthreads();  // every thread has read s.n before anyone changes it
-    if (ok && (n >= kChunk / 2 || n > cap - kChunk)) {
-      compact(s, rr, cap, k, temp);
-      if (s.n > cap - kChunk) ok = false;  // the next step might not fit
+    const float floor_now = minp_floor(sc.exact(key_value(s.best)), lnmp);
+    __syncthreads();  // every thread has read s.n and s.best
+    if (n > cap - kChunk) {
+      compact_if(s, cap, [&](float x) { return x >= floor_now; });
+      if (s.n > cap - kChunk) ok = false;
       __syncthreads();
     }
-    i0 += kChunk;
-    if (more) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) cur[j] = nxt[j];
-    }
-  }
+    return ok;
+  });
+  m_out = sc.exact(key_value(s.best));
   return ok;
 }
 
-// ---- sample_tokens ----------------------------------------------------------------------------
+// top-k <= kStreamMaxK: the candidates in one pass (stream_collect); false when the buffer overflowed.
+template <class T>
+__device__ __noinline__ bool collect_topk(Smem& s, const RowRef<T>& rr, int cap, int k, const Scale& sc) {
+  return stream_collect(s, rr, cap, k, false, [&](float raw, float thr_x) {
+    return sc.upper(raw) >= thr_x ? sc.exact(raw) : -INFINITY;
+  });
+}
+
+// top-p alone, m finite: one pass sums every token's exact mass and collects the kNucleusK largest
+// x; true, with the threshold's key in t_key, when the threshold lies above every token left out.
+template <class T>
+__device__ __noinline__ bool collect_nucleus(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, float m, float p,
+                                             uint32_t& t_key) {
+  // Tokens below m - 32 have e < 2^-44: mass 0, never in the nucleus (its threshold carries mass).
+  const float cut = m - 32.f;
+  u64 tot = 0;
+  const bool ok = stream_collect(s, rr, cap, kNucleusK, false, [&](float raw, float) {
+    if (!(sc.upper(raw) >= cut)) return -INFINITY;
+    const float x = sc.exact(raw);
+    if (x > -INFINITY) tot += mass(expf(x - m));
+    return x;
+  });
+  const u64 total = block_sum_u64(tot, s.red64);
+  if (!ok) return false;
+  // The buffer holds exactly the tokens with key >= thr (and mass > 0), so its cumulative masses
+  // are the row's above every token left out, whose e are <= e_thr: a threshold t > e_thr found in
+  // the buffer is the row's.
+  SelectArgs a;
+  a.m = m;
+  a.top_p = p;
+  a.total = total;
+  bool in_buf = true, complete = true, found = false;
+  const uint32_t thr = s.thr;
+  t_key = radix_select<true>(s, rr, cap, in_buf, complete, a, &found);
+  return found && (thr == 0 || t_key > float_bits(expf(key_value(thr) - m)));
+}
+
+// The fallback's first pass: the max x and, with want_s, the softmax sum S relative to it.
+template <class T>
+__device__ __noinline__ float row_stats(Smem& s, const RowRef<T>& rr, const Scale& sc, bool want_s, float& S) {
+  float mt = -INFINITY, st = 0.f;
+  visit_row(rr, [&](float raw, int64_t, bool valid) {
+    const float x = sc.exact(raw);
+    if (!valid || !(x > -INFINITY)) return;
+    if (!want_s) {
+      mt = fmaxf(mt, x);
+    } else if (x > mt) {
+      st = st * expf(mt - x) + 1.f;
+      mt = x;
+    } else {
+      st += expf(x - mt);
+    }
+  });
+  const float m = block_max(mt, s.redf);
+  S = want_s ? block_sum(mt == -INFINITY ? 0.f : st * expf(mt - m), s.redf) : 0.f;
+  return m;
+}
+
+// The max x over the buffer.
+__device__ __noinline__ float buffer_max(Smem& s, int cap) {
+  float mt = -INFINITY;
+  visit_buf(s, cap, [&](float x, int64_t, bool valid) {
+    if (valid) mt = fmaxf(mt, x);
+  });
+  return block_max(mt, s.redf);
+}
+
+template <bool kMass, class T>
+__device__ __noinline__ uint32_t select_key(Smem& s, const RowRef<T>& rr, int cap, bool& in_buf, bool& complete,
+                                            const SelectArgs& a) {
+  return radix_select<kMass>(s, rr, cap, in_buf, complete, a);
+}
 
 template <class T>
-__global__ void __launch_bounds__(kThreads, 2)
-    sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, const float* __restrict__ temperature,
-                  const int32_t* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
-                  const int64_t* __restrict__ seeds, const int64_t* __restrict__ offsets, int cap,
-                  int32_t* __restrict__ out) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
-  const int64_t r = blockIdx.x;
-  const RowRef<T> rr{logits + r * row_stride, V, ((uintptr_t)(logits + r * row_stride) & 15) == 0};
-  const float temp = temperature[r];
-  if (!(temp >= 1e-5f)) {  // greedy (NaN too: the CPU finds nothing finite and falls back to it)
-    const int32_t t = greedy_row(s, rr);
-    if (threadIdx.x == 0) out[r] = t;
-    return;
-  }
-  const int k = top_k[r];
-  const float p = top_p[r], mp = min_p[r];
+__device__ __noinline__ int32_t draw_kept(Smem& s, const RowRef<T>& rr, bool in_buf, int cap, const Scale& sc,
+                                          RowKey key, const Kept& kept) {
+  return draw(s, rr, in_buf, cap, sc, key, kept);
+}
+
+// The token of a row with filters (see the file comment); -1 when nothing is kept. All threads of
+// the CTA call it.
+template <class T>
+__device__ __noinline__ int32_t filtered_row(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, int k, float p,
+                                             float mp, RowKey key) {
+  const int64_t V = rr.n;
   const bool use_k = k > 0 && k < V, use_p = p < 1.f, use_mp = mp > 0.f;
-  const uint64_t key = row_key(seeds[r], offsets[r]);
-  int32_t tok = -1;
-  if (!use_k && !use_p && !use_mp) {
-    tok = draw(s, rr, false, cap, temp, key, Kept{});
-  } else {
-    bool in_buf = false, complete = false;
-    float m, S = 0.f;
-    if (use_k && k <= kStreamMaxK && cap >= kStreamMinCap &&
-        stream_topk(s, rr, cap, k, temp, [](float, int64_t, bool) {})) {
-      in_buf = complete = true;
-      float mt = -INFINITY;
-      visit_buf(s, cap, [&](float x, int64_t, bool valid) {
-        if (valid) mt = fmaxf(mt, x);
-      });
-      m = block_max(mt, s.redf);
-    } else {
-      const bool want_s = use_p && !use_k && !use_mp;
-      float mt = -INFINITY, st = 0.f;
-      visit_row(rr, [&](float raw, int64_t, bool valid) {
-        const float x = scaled_logit(raw, temp);
-        if (!valid || !(x > -INFINITY)) return;
-        if (!want_s) {
-          mt = fmaxf(mt, x);
-        } else if (x > mt) {
-          st = st * expf(mt - x) + 1.f;
-          mt = x;
-        } else {
-          st += expf(x - mt);
-        }
-      });
-      m = block_max(mt, s.redf);
-      if (want_s) S = block_sum(mt == -INFINITY ? 0.f : st * expf(mt - m), s.redf);
+  float m = -INFINITY, S = 0.f;
+  bool have_m = false, complete = false, have_t = false;
+  uint32_t t_key = 0;
+  if (cap >= kStreamMinCap) {
+    if (use_k && k <= kStreamMaxK) {
+      complete = collect_topk(s, rr, cap, k, sc);
+    } else if (use_mp) {
+      float mm;
+      complete = stream_minp(s, rr, cap, sc, logf(mp), mm);
+      if (complete) m = mm, have_m = true;
+    } else if (use_p && !use_k) {
+      m = sc.exact(row_max(s, rr.row, rr.vec_ok, V));
+      have_m = true;
+      if (m > -INFINITY && m < INFINITY) complete = have_t = collect_nucleus(s, rr, cap, sc, m, p, t_key);
     }
-    Kept kept;
-    kept.m = m;
-    if (m == INFINITY) {
-      kept.inf_only = true;
-    } else if (m > -INFINITY) {
-      if (use_k) {
-        SelectArgs a;
-        a.k = k;
-        a.temp = temp;
-        kept.tau_key = radix_select<false>(s, rr, cap, in_buf, complete, a);
-      }
-      kept.min_p = mp;
-      if (use_p) {
+  }
+  if (!have_m) m = complete ? buffer_max(s, cap) : row_stats(s, rr, sc, use_p && !use_k && !use_mp, S);
+  if (!(m > -INFINITY)) return -1;
+  Kept kept;
+  kept.m = m;
+  if (m == INFINITY) {
+    kept.inf_only = true;
+  } else {
+    bool in_buf = complete;
+    if (use_k) {
+      SelectArgs a;
+      a.k = k;
+      a.temp = sc.temp;
+      kept.tau_key = select_key<false>(s, rr, cap, in_buf, complete, a);
+    }
+    kept.min_p = mp;
+    if (use_p) {
+      kept.top_p = true;
+      if (have_t) {
+        kept.t_key = t_key;
+      } else {
         in_buf = complete;  // a buffer holding only one bin of the top-k select is of no use here
         SelectArgs a;
-        a.temp = temp;
+        a.temp = sc.temp;
         a.m = m;
         a.tau_key = kept.tau_key;
         a.min_p = mp;
@@ -242,13 +368,51 @@ __global__ void __launch_bounds__(kThreads, 2)
         // S' = S when S counts exactly the selection (top-p alone); S is f32, hence the 1/2 margin
         const float sl = (!use_k && !use_mp && S >= 1.f && S < INFINITY) ? S : 1.f;
         a.bound = (float)(0.5 * (1.0 - (double)p) * (double)sl / (double)V);
-        kept.top_p = true;
-        kept.t_key = radix_select<true>(s, rr, cap, in_buf, complete, a);
+        kept.t_key = select_key<true>(s, rr, cap, in_buf, complete, a);
       }
     }
-    if (m > -INFINITY) tok = draw(s, rr, complete, cap, temp, key, kept);
   }
-  if (tok < 0) tok = greedy_row(s, rr);  // nothing finite to sample from
+  return draw_kept(s, rr, complete, cap, sc, key, kept);
+}
+
+// ---- sample_tokens ----------------------------------------------------------------------------
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 2)
+    sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, const float* __restrict__ temperature,
+                  const int32_t* __restrict__ top_k, const float* __restrict__ top_p, const float* __restrict__ min_p,
+                  const int64_t* __restrict__ seeds, const int64_t* __restrict__ offsets, int cap, int split,
+                  int32_t* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+  const int64_t r = blockIdx.x / (unsigned)split;
+  const int rank = (int)(blockIdx.x % (unsigned)split);  // == the cluster rank: clusters are (split, 1, 1)
+  const T* row = logits + r * row_stride;
+  const bool vec = ((uintptr_t)row & 15) == 0;
+  const float temp = temperature[r];
+  const bool greedy = !(temp >= 1e-5f);  // NaN too: the CPU finds nothing finite and falls back to it
+  const int k = top_k[r];
+  const float p = top_p[r], mp = min_p[r];
+  if (!greedy && ((k > 0 && k < V) || p < 1.f || mp > 0.f)) {
+    if (rank != 0) return;
+    const RowRef<T> rr{row, V, vec};
+    int32_t tok = filtered_row(s, rr, cap, Scale(temp), k, p, mp, row_key(seeds[r], offsets[r]));
+    if (tok < 0) tok = (int32_t)key_index(greedy_slice(s, row, vec, V, 1, 0));  // nothing kept
+    if (threadIdx.x == 0) out[r] = tok;
+    return;
+  }
+  if (split > 1) cluster_arrive_relaxed();
+  u64 best = greedy ? greedy_slice(s, row, vec, V, split, rank)
+                    : draw_slice(s, row, vec, V, split, rank, Scale(temp), row_key(seeds[r], offsets[r]), KeepAll{});
+  best = cluster_max(s, best, split, rank);
+  if (rank != 0) return;
+  int32_t tok;
+  if (greedy)
+    tok = (int32_t)key_index(best);
+  else if (best != 0)
+    tok = score_index(best);
+  else  // nothing finite: the greedy argmax of the raw logits
+    tok = (int32_t)key_index(greedy_slice(s, row, vec, V, 1, 0));
   if (threadIdx.x == 0) out[r] = tok;
 }
 
@@ -270,8 +434,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float mt = -INFINITY, st = 0.f;
   u64 above = 0;
   bool nan = false;
-  auto stats = [&](float x, int64_t, bool valid) {
-    if (!valid) return;
+  auto stats = [&](float x) {
     above += x > xt;
     if (x != x) {
       nan = true;
@@ -283,10 +446,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   };
   bool ok = false;
-  if (num_top > 0 && cap >= kStreamMinCap)
-    ok = stream_topk(s, rr, cap, num_top, 0.f, stats);
-  else
-    visit_row(rr, stats);
+  if (num_top > 0 && cap >= kStreamMinCap) {
+    ok = stream_collect(s, rr, cap, num_top, true, [&](float raw, float) {
+      stats(raw);
+      return raw != raw ? -INFINITY : to_x(raw, 0.f);
+    });
+  } else {
+    visit_row(rr, [&](float x, int64_t, bool valid) {
+      if (valid) stats(x);
+    });
+  }
   const float m = block_max(mt, s.redf);
   const float S = block_sum(mt == -INFINITY ? 0.f : st * expf(mt - m), s.redf);
   const bool any_nan = block_sum(nan ? 1.f : 0.f, s.redf) > 0.f;
@@ -352,6 +521,20 @@ void set_smem(const char* op, K kernel) {
   TALLOW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem)));
 }
 
+// Compute capability major of the current device (cached per device).
+int cc_major() {
+  static std::atomic<int> majors[64] = {};
+  int dev = 0;
+  TALLOW_CUDA_CHECK("sample_tokens", cudaGetDevice(&dev));
+  if (dev >= 64) dev = 63;
+  int m = majors[dev].load();
+  if (!m) {
+    TALLOW_CUDA_CHECK("sample_tokens", cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
+    majors[dev].store(m);
+  }
+  return m;
+}
+
 }  // namespace
 
 void set_sampling_buffer_capacity(int n) { g_cap.store(n <= 0 || n > kCap ? kCap : n); }
@@ -377,13 +560,32 @@ Tensor sample_tokens(const Tensor& logits, const Tensor& temperature, const Tens
   if (B == 0) return out;
   TALLOW_CHECK(B <= 0x7fffffffLL, op, ": too many rows (", B, ")");
   OpContext ctx(logits);
+  // CTAs per row: as many as keep two CTAs per SM busy (the shared memory allows two), up to a
+  // portable cluster; clusters need sm_90.
+  int split = 1;
+  if (cc_major() >= 9) split = (int)std::clamp<int64_t>(2LL * sm_count() / B, 1, kMaxSplit);
   TALLOW_CUDA_DISPATCH_FLOAT(op, logits.dtype(), [&] {
     using T = scalar_t;
-    set_smem(op, sample_kernel<T>);
-    sample_kernel<T><<<(unsigned)B, kThreads, sizeof(Smem), ctx.stream>>>(
-        static_cast<const T*>(logits.data_ptr()), logits.stride(0), V, temperature.data<float>(),
-        top_k.data<int32_t>(), top_p.data<float>(), min_p.data<float>(), seeds.data<int64_t>(),
-        offsets.data<int64_t>(), g_cap.load(), out.data<int32_t>());
+    auto kernel = sample_kernel<T>;
+    set_smem(op, kernel);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3((unsigned)(B * split));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = sizeof(Smem);
+    cfg.stream = ctx.stream;
+    cudaLaunchAttribute attr[1];
+    if (split > 1) {
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = (unsigned)split;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    TALLOW_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, kernel, static_cast<const T*>(logits.data_ptr()), logits.stride(0),
+                                             V, temperature.data<float>(), top_k.data<int32_t>(),
+                                             top_p.data<float>(), min_p.data<float>(), seeds.data<int64_t>(),
+                                             offsets.data<int64_t>(), g_cap.load(), split, out.data<int32_t>()));
   });
   TALLOW_CUDA_CHECK_LAUNCH(op);
   return out;

@@ -122,12 +122,14 @@ int32_t sample_row(const T* l, int64_t V, float temp, int32_t k, float top_p, fl
       }
     }
   }
-  if (cand.empty()) return argmax_raw(l, V);  // unreachable: the maximum is always kept
-  const uint64_t key = row_key(seed, offset);
+  if (cand.empty()) return argmax_raw(l, V);  // min_p > 1 (else the maximum is always kept)
+  const RowKey key = row_key(seed, offset);
   int32_t best = -1;
   float bv = -INFINITY;
   for (int32_t i : cand) {
-    const float v = x[i] + gumbel(key, i);
+    const uint32_t h = token_bits(key, i);
+    if (best >= 0 && x[i] + gumbel_bound(h) < bv) continue;  // can neither win nor tie: skip the logs
+    const float v = x[i] + gumbel_bits(h);
     if (best < 0 || v > bv || (v == bv && i < best)) bv = v, best = i;
   }
   return best;

@@ -11,8 +11,10 @@ void bind_ops(py::module_& m);
 void bind_backends(py::module_& m);
 void bind_cuda(py::module_& m);
 void bind_paged_attention(py::module_& m);
+void bind_rope_cache(py::module_& m);
 void bind_sampling(py::module_& m);
 void bind_random(py::module_& m);
+void bind_gated_linear(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tallow's C++ core: tensors and ops";
@@ -35,8 +37,10 @@ PYBIND11_MODULE(_core, m) {
   bind_tensor(m);
   bind_ops(m);
   bind_paged_attention(m);
+  bind_rope_cache(m);
   bind_sampling(m);
   bind_random(m);
   bind_backends(m);
   bind_cuda(m);
+  bind_gated_linear(m);  // after bind_cuda: adds to tallow._core.cuda
 }

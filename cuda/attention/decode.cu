@@ -1,38 +1,67 @@
-// Paged decode attention: split-KV ("flash-decoding") on tensor cores (contract in decode.cuh).
+// Paged decode attention: split-KV ("flash-decoding") on tensor cores in one kernel (contract in
+// decode.cuh).
 //
 // Grid (split, kv head, sequence), 4 warps a CTA. A CTA attends the query heads of one kv head's
 // GQA group (up to 16: the rows of the mma's A operand, zero-padded) over one split of the
-// sequence's visible keys, so each K/V row is read from HBM once per step. Warps take 16-key tiles
-// of the split in turn and keep their own online softmax (f32; scores in the log2 domain).
+// sequence's visible keys, so each K/V row is read from HBM once per step.
 //
-// Operands go from global memory straight into mma.sync m16n8k16 fragments, with 16-byte loads:
-// the contraction index of S = Q K^T (head dim) and the column index of O = P V (head dim again)
-// are permuted so that each lane's share of a K or V row is contiguous in memory.
+// Loads: every warp runs its own cp.async pipeline (`stages` slots of KEYS keys: K rows then V
+// rows, 8 KiB a slot at 16 bits and D <= 128) over the chunks w, w + 4, w + 8, ... of the split, so
+// (stages - 1) chunks per warp are in flight while it computes one, with no CTA barrier in the
+// loop. Keys past the split, and keys of out-of-range block ids, are zero-filled (cp.async with
+// source size 0: no memory traffic) and masked to -inf. Slots are XOR-swizzled in 16-byte units
+// so the fragment reads below are free of bank conflicts (K: rows g and g+1 apart, V: keys 2t).
+//
+// Math: mma.sync m16n8k16, f32 accumulators, online softmax per warp in the log2 domain. The
+// contraction index of S = Q K^T (head dim) and the column index of O = P V (head dim again) are
+// permuted so that each lane's share of a K or V row is contiguous:
 //  * S: B operand = K^T. Lane (g, t) holds key g of each 8-key n-tile. Its 4 values of k-step kt
 //    are K[key][d .. d + 3], d = 16 kt0 + 4 t gs + 4 (kt - kt0), where the k-steps are cut into
-//    groups (kt0, gs) of one 16-byte load per lane (2 k-steps at 16 bits, 4 at fp8; smaller
+//    groups (kt0, gs) of one 16-byte read per lane (2 k-steps at 16 bits, 4 at fp8; smaller
 //    powers of two at the end). Q's A fragments (staged in shared memory once per CTA) use the
 //    same d for k = 2t, 2t+1 (d, d+1) and k = 2t+8, 2t+9 (d+2, d+3).
 //  * O: B operand = V. Lane (g, t) holds keys 2t, 2t+1, 2t+8, 2t+9 of the tile (the keys of its
 //    P fragment), and for each key D/8 values: value index v is column g of n-tile v, at
-//    d = 8 v0 + g w + (v - v0) for the segment (v0, w) of v (segments: one 16-byte load each).
-// fp8 values are converted to q's type (exact) as fragments are built; k_scale is folded into the
-// score scale and v_scale into the output.
+//    d = 8 v0 + g w + (v - v0) for the segment (v0, w) of v (segments: one 16-byte read each).
+// FP8 caches run the mmas in f16: e4m3 -> f16x2 is one cvt.rn.f16x2.e4m3x2 per pair (exact), and
+// P in f16 is finer than bf16. A bf16 q is staged as f16 times 2^e per row (e puts the row's
+// largest |q| in [2^14, 2^15): exact for every element within 2^24 of it), and 2^-e goes into that
+// row's score scale. k_scale is folded into the score scale, v_scale into the output.
 //
 // Splits: the host picks the grid's split count from shapes only (batch, kv heads, the block
 // table's width as the longest context, SM count, occupancy); each sequence then cuts its own
-// visible range [lo, hi) into at most that many splits of >= min_split keys, so CTAs beyond its
-// length exit at once and no split lies before a sliding window. With one split a CTA writes the
-// output; else it leaves (m, l, unnormalised O) per head and decode_merge_kernel combines them.
-// A split's block ids (<= kMaxTable) are staged in shared memory; entries at or past
-// ceil(seq_len / block_size) are never read.
+// visible range [lo, hi) into ceil(range / min_split) splits (at most the grid's), so short
+// contexts use one split and CTAs past a sequence's splits exit at once. With one split a CTA
+// writes the output; else it leaves (m, l, unnormalised O) per head in a scratch buffer, and the
+// last CTA of the (token, kv head) to finish - an atomic counter, after a __threadfence - merges
+// the splits in split order (the result does not depend on which CTA came last) and resets the
+// counter to 0 for the next launch. A split's block ids (<= kMaxTable) are staged in shared memory;
+// entries at or past ceil(seq_len / block_size) are never read.
+//
+// Counters: one int per (token, kv head), in a per-device buffer allocated with cudaMalloc outside
+// graph capture (>= 64 Ki entries, grown to the largest T * Hk seen, in powers of two; an outgrown
+// buffer is kept, since captured graphs still point at it) and zeroed once; every launch leaves
+// it zeroed. A launch under capture that needs more counters than the buffer holds takes them
+// from the graph's pool instead, zeroed by a memset captured before the kernel. One decode launch
+// at a time per device uses the buffer (stream order or PDL; not concurrent streams).
+//
+// Programmatic dependent launch (sm_90): the kernel is launched with programmatic stream
+// serialization, so it starts while the previous kernel finishes; griddepcontrol.wait precedes
+// every read of q and the caches and every write, and griddepcontrol.launch_dependents follows the
+// main loop. With TALLOW_DECODE_PDL=2 (the default) the metadata (query_start_loc, seq_lens, the
+// split's block ids) is read before the wait, then read again after it and compared: on any
+// difference (the previous kernel wrote them) the CTA drops its loads and starts over, so this is
+// correct whatever the previous kernel wrote. TALLOW_DECODE_PDL=1 waits before any read,
+// 0 launches without the attribute.
 #include "attention/decode.cuh"
 
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "launch.cuh"
 
@@ -42,13 +71,16 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTile = 16;         // keys per warp step: two 8-key n-tiles of S, one k-step of P V
-constexpr int kMaxGroup = 16;     // query heads per kv head (the mma's 16 rows)
-constexpr int kMaxTable = 1024;   // block ids of one split in shared memory
-constexpr int kMaxSplits = 256;   // splits per (token, kv head); bounds the merge's shared memory
-constexpr int kDefaultMinSplit = 128;
+constexpr int kTile = 16;          // keys of one mma step: two 8-key n-tiles of S, one k-step of P V
+constexpr int kMaxGroup = 16;      // query heads per kv head (the mma's 16 rows)
+constexpr int kMaxTable = 1024;    // block ids of one split in shared memory
+constexpr int kMaxSplits = 256;    // splits per (token, kv head); bounds the merge's shared memory
+constexpr int kDefaultMinSplit = 256;
+constexpr int kDefaultStages = 3;
+constexpr int kMaxStages = 4;
 constexpr int64_t kCtaOverheadKeys = 128;          // a CTA's fixed cost, in keys streamed (split planning)
 constexpr int64_t kMaxPartialBytes = 128ll << 20;  // scratch for split results
+constexpr int64_t kMinCounters = 1 << 16;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Fp8 {  // storage tag of float8_e4m3 caches
@@ -70,12 +102,12 @@ struct DecodeParams {
   void* out;        // [T, Hq, D]
   float* part_o;    // [T, Hk, nsplit, G, D]: unnormalised split outputs
   float* part_ml;   // [T, Hk, nsplit, G, 2]: (max in log2 units, sum of weights)
+  int* counters;    // [T, Hk]: splits finished (0 between launches)
   int64_t T, B, Hq, Hk, NB, max_blocks, window;
-  int G, bs_shift, nsplit, min_split;
-  float qk_scale;       // scale (times k_scale for fp8)
-  float qk_scale_log2;  // qk_scale * log2(e)
-  float softcap;
-  float out_scale;      // v_scale for fp8, else 1
+  int G, bs_shift, nsplit, min_split, stages, early;
+  float score_scale;   // raw dot -> log2 score: qk_scale * log2(e); with softcap qk_scale / softcap
+  float softcap_log2;  // softcap * log2(e), 0 without softcap
+  float out_scale;     // v_scale for fp8, else 1
 };
 
 // Size of the group starting at unit `at` when n units are cut greedily into powers of two <= maxg
@@ -107,35 +139,101 @@ __device__ __forceinline__ void for_groups(F&& f) {
   }
 }
 
+// Compile-time shape of one (q type, cache type, head dim) instance.
+template <class Q, class C, int D>
+struct Shape_ {
+  static constexpr int E = (int)sizeof(C);
+  static constexpr bool kF8 = E == 1;
+  using MT = std::conditional_t<kF8, __half, Q>;  // the mma operand type
+  static constexpr bool kQScale = kF8 && std::is_same_v<Q, __nv_bfloat16>;
+  static constexpr int NKT = D / 16;          // k-steps of S = Q K^T
+  static constexpr int KMAXG = 16 / (4 * E);  // k-steps per 16-byte K read of a lane
+  static constexpr int NV = D / 8;            // V values per lane and key = n-tiles of O
+  static constexpr int VMAXW = 16 / E;        // V values per 16-byte read
+  static constexpr int RB = D * E;                    // bytes of a cache row (one kv head)
+  static constexpr int RS = (RB + 127) / 128 * 128;   // its stride in a slot (whole swizzle groups)
+  static constexpr int TPS = RS <= 256 ? 256 / RS : 1;  // mma tiles per chunk: ~8 KiB slots
+  static constexpr int KEYS = kTile * TPS;            // keys per chunk (<= 32: one ballot)
+  static constexpr int PPR = RB / 16;                 // 16-byte pieces of a row
+  static constexpr int PIECES = KEYS * PPR;           // pieces of K (and of V) per chunk
+  static constexpr int SLOT = 2 * KEYS * RS;          // bytes of one pipeline slot
+  static constexpr int OW_BYTES = kWarps * kMaxGroup * D * 4;                     // warps' O rows
+  static constexpr int MERGE_BYTES = kMaxGroup * kMaxSplits * 4 + kThreads * 16;  // weights, sums
+  static constexpr int EPI_BYTES = OW_BYTES > MERGE_BYTES ? OW_BYTES : MERGE_BYTES;
+  static_assert(KEYS <= 32 && PIECES % 32 == 0 && RB % 16 == 0, "chunk shape");
+};
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, or 16 zero bytes (no read) when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  __trap();  // the host never launches this below sm_80
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Waits until at most `pending` of this thread's newest groups are still in flight.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
 template <int BYTES>
-__device__ __forceinline__ void load_words(const void* p, uint32_t* w) {
+__device__ __forceinline__ void lds_words(const unsigned char* p, uint32_t* w) {
   if constexpr (BYTES == 16) {
-    const uint4 x = __ldg(static_cast<const uint4*>(p));
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
     w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
   } else if constexpr (BYTES == 8) {
-    const uint2 x = __ldg(static_cast<const uint2*>(p));
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
     w[0] = x.x, w[1] = x.y;
   } else if constexpr (BYTES == 4) {
-    w[0] = __ldg(static_cast<const unsigned int*>(p));
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
   } else {
-    static_assert(BYTES == 2, "load width");
-    w[0] = __ldg(static_cast<const unsigned short*>(p));
+    static_assert(BYTES == 2, "read width");
+    w[0] = *reinterpret_cast<const uint16_t*>(p);
   }
 }
 
-template <int BYTES>
-__device__ __forceinline__ void load_or_zero(const void* p, uint32_t* w) {
-  if (p) {
-    load_words<BYTES>(p, w);
-  } else {
-#pragma unroll
-    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = 0;
-  }
-}
+// Byte `off` of a slot row whose 16-byte units are XOR-swizzled by `swz` (< 8).
+__device__ __forceinline__ int swizzled(int off, int swz) { return (((off >> 4) ^ swz) << 4) | (off & 15); }
 
-template <class Q>
+template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<Q, __half>) {
+  if constexpr (std::is_same_v<T, __half>) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
   } else {
@@ -144,23 +242,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Two e4m3 values (low 16 bits; the lower byte first) as two Q values (exact).
-template <class Q>
-__device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
+// Two e4m3 values (low 16 bits; the lower byte first) as f16x2: one cvt.rn.f16x2.e4m3x2 on sm_89+.
+__device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t two) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xffffu), __NV_E4M3);
-  if constexpr (std::is_same_v<Q, __half>) {
-    return (uint32_t)r.x | ((uint32_t)r.y << 16);
-  } else {
-    const float2 f = __half22float2(__half2(r));
-    return pack2<Q>(f.x, f.y);
-  }
+  return (uint32_t)r.x | ((uint32_t)r.y << 16);
 }
 
 // c += A B for one m16n8k16 tile (f32 accumulators).
-template <class Q>
+template <class T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<Q, __half>) {
+  if constexpr (std::is_same_v<T, __half>) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -172,7 +264,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 #else
-  __trap();  // the host never launches this below sm_80
+  __trap();
 #endif
 }
 
@@ -186,7 +278,8 @@ __device__ __forceinline__ void visible_keys(const DecodeParams& P, int64_t len,
   if (hi < lo) hi = lo;
 }
 
-// Keys per split of a visible range: at most nsplit splits of >= min_split keys, multiples of kTile.
+// Keys per split of a visible range: ceil(range / min_split) splits, at most nsplit, each a
+// multiple of kTile keys long.
 __device__ __forceinline__ int64_t split_len(const DecodeParams& P, int64_t range) {
   int64_t n = (range + P.min_split - 1) / P.min_split;
   n = n < 1 ? 1 : (n > P.nsplit ? P.nsplit : n);
@@ -198,361 +291,528 @@ __device__ __forceinline__ int64_t num_splits(int64_t range, int64_t slen) {
   return range > 0 ? (range + slen - 1) / slen : 1;
 }
 
-template <class Q, class C, int D>
-__global__ void __launch_bounds__(kThreads, (D <= 128 ? 3 : 1)) decode_kernel(const DecodeParams P) {
-  constexpr int E = (int)sizeof(C);
-  constexpr int NKT = D / 16;          // k-steps of S = Q K^T
-  constexpr int KMAXG = 16 / (4 * E);  // k-steps per 16-byte K load of a lane
-  constexpr int KW = NKT * E;          // K words per lane and key
-  constexpr int NV = D / 8;            // V values per lane and key = n-tiles of O
-  constexpr int VMAXW = 16 / E;        // V values per 16-byte load
-  constexpr int VW = (NV * E + 3) / 4;  // V words per lane and key
-  constexpr bool kVEarly = D <= 128;    // V loads in flight with K's (at D = 256 registers forbid)
+// The 32-bit word of s_q (A fragments, [k-step][lane][4]) that holds q elements (d, d + 1) of row r.
+template <int NKT, int KMAXG>
+__device__ __forceinline__ int q_word(int d, int r) {
+  int kt0 = 0, gs = greedy_group(NKT, KMAXG, 0);
+  while (d >= 16 * (kt0 + gs)) {
+    kt0 += gs;
+    gs = greedy_group(NKT, KMAXG, kt0);
+  }
+  const int local = d - 16 * kt0, t = local / (4 * gs), rem = local % (4 * gs);
+  const int kt = kt0 + rem / 4, upper = (rem & 3) >> 1;  // d + 2, d + 3: a2 / a3
+  return (kt * 32 + (r & 7) * 4 + t) * 4 + (r >> 3) + 2 * upper;
+}
 
-  __shared__ uint4 s_q[NKT * 32];  // Q A-fragments, [k-step][lane]
+template <class Q, class C, int D>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams P) {
+  using S = Shape_<Q, C, D>;
+  using MT = typename S::MT;
+  constexpr int E = S::E, NKT = S::NKT, KMAXG = S::KMAXG, NV = S::NV, VMAXW = S::VMAXW;
+  constexpr int RS = S::RS, TPS = S::TPS, KEYS = S::KEYS, PPR = S::PPR;
+
+  extern __shared__ __align__(128) unsigned char smem[];  // pipeline slots; after the loop: epilogue
+  __shared__ uint4 s_q[NKT * 32];                          // Q A-fragments, [k-step][lane]
   __shared__ int s_tbl[kMaxTable];
-  __shared__ __align__(16) float s_o[kMaxGroup * D];
-  __shared__ float s_wm[kWarps][16], s_wl[kWarps][16];
-  __shared__ float s_m[16], s_l[16];
+  __shared__ float s_rs[kMaxGroup];                        // per row: raw dot -> log2 score
+  __shared__ float s_wm[kWarps][kMaxGroup], s_wl[kWarps][kMaxGroup];
+  __shared__ float s_inv[kMaxGroup];
+  __shared__ int64_t s_meta[3];
+  __shared__ int s_last;
 
   const int split = blockIdx.x, kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
-  const int G = P.G;
-  const int64_t q0 = P.qsl[b * P.qsl_s], n = P.qsl[(b + 1) * P.qsl_s] - q0, len = P.seq_lens[b * P.sl_s];
-  const int64_t i_begin = q0 < 0 ? -q0 : 0, i_end = n < P.T - q0 ? n : P.T - q0;
+  const int G = P.G, stages = P.stages;
   const C* kbase = static_cast<const C*>(P.k) + kvh * P.ksh;
   const C* vbase = static_cast<const C*>(P.v) + kvh * P.vsh;
-  const int64_t row_mask = (int64_t(1) << P.bs_shift) - 1;
+  const int row_mask = (1 << P.bs_shift) - 1;
+  unsigned char* wslots = smem + warp * stages * S::SLOT;  // this warp's pipeline
 
-  for (int64_t i = i_begin; i < i_end; ++i) {  // one query per sequence in a decode batch
-    const int64_t t = q0 + i;
-    int64_t lo, hi;
-    visible_keys(P, len, n, i, lo, hi);
-    const int64_t slen = split_len(P, hi - lo), ns = num_splits(hi - lo, slen);
-    if (split >= ns) continue;
-    const int64_t k0 = lo + split * slen, k1 = hi < k0 + slen ? hi : k0 + slen;
-    __syncthreads();  // shared memory of the previous query is free
-
-    for (int idx = tid; idx < NKT * 32; idx += kThreads) {
-      const int kt = idx >> 5, rg = (idx & 31) >> 2, rt = idx & 3;
-      int kt0 = 0, gs = greedy_group(NKT, KMAXG, 0);
-      while (kt >= kt0 + gs) kt0 += gs, gs = greedy_group(NKT, KMAXG, kt0);
-      const int d = 16 * kt0 + 4 * rt * gs + 4 * (kt - kt0);
-      uint32_t w[4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // rows rg (a0, a2) and rg + 8 (a1, a3)
-        const int row = rg + 8 * h;
-        uint32_t x = 0, y = 0;
-        if (row < G) {
-          const uint16_t* qr =
-              reinterpret_cast<const uint16_t*>(static_cast<const Q*>(P.q) + t * P.qst + ((int64_t)kvh * G + row) * P.qsh) + d;
-          x = (uint32_t)qr[0] | ((uint32_t)qr[1] << 16);
-          y = (uint32_t)qr[2] | ((uint32_t)qr[3] << 16);
-        }
-        w[h] = x;
-        w[h + 2] = y;
-      }
-      s_q[idx] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    const int64_t first = k0 >> P.bs_shift;
-    int64_t span = k1 > k0 ? ((k1 - 1) >> P.bs_shift) - first + 1 : 0;
-    const int ntb = (int)(span < kMaxTable ? span : kMaxTable);
-    for (int j = tid; j < ntb; j += kThreads) {
-      const int id = P.bt[b * P.bt_s0 + (first + j) * P.bt_s1];
-      s_tbl[j] = id >= 0 && id < P.NB ? id : -1;
+  for (int pass = 0; pass < 2; ++pass) {
+    // Pass 0 with P.early reads the metadata before waiting for the previous kernel and checks it
+    // after; pass 1 (only after a mismatch) waits first.
+    const bool spec = P.early && pass == 0;
+    if (!spec) pdl_wait();
+    if (pass) __syncthreads();  // every thread is done reading pass 0's s_meta
+    if (tid == 0) {  // one reader: every thread plans with the same values
+      s_meta[0] = __ldcg(P.qsl + b * P.qsl_s);
+      s_meta[1] = __ldcg(P.qsl + (b + 1) * P.qsl_s);
+      s_meta[2] = __ldcg(P.seq_lens + b * P.sl_s);
     }
     __syncthreads();
-
-    // Row of `key` in a cache, or nullptr when it is outside the split or its block id is bad.
-    auto row_of = [&](const C* base, int64_t sb, int64_t sr, int64_t key) -> const C* {
-      if (key < k0 || key >= k1) return nullptr;
-      const int64_t j = (key >> P.bs_shift) - first;
-      if (j >= ntb) return nullptr;
-      const int id = s_tbl[j];
-      return id < 0 ? nullptr : base + (int64_t)id * sb + (key & row_mask) * sr;
+    const int64_t q0 = s_meta[0], n = s_meta[1] - q0, len = s_meta[2];
+    if (spec && n != 1) continue;  // speculate on decode rows only (uniform: values from shared memory)
+    // Checks, after the wait, that the metadata read before it is still what memory holds.
+    auto meta_changed = [&] {
+      return __ldcg(P.qsl + b * P.qsl_s) != s_meta[0] || __ldcg(P.qsl + (b + 1) * P.qsl_s) != s_meta[1] ||
+             __ldcg(P.seq_lens + b * P.sl_s) != s_meta[2];
     };
+    const int64_t i_begin = q0 < 0 ? -q0 : 0, i_end = n < P.T - q0 ? n : P.T - q0;
+    bool again = false, checked = !spec;  // checked: the metadata was confirmed after the wait
 
-    float o[NV][4];
-#pragma unroll
-    for (int v = 0; v < NV; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
+    for (int64_t i = i_begin; i < i_end; ++i) {  // one query per sequence in a decode batch
+      const int64_t t = q0 + i;
+      int64_t lo, hi;
+      visible_keys(P, len, n, i, lo, hi);
+      const int64_t slen = split_len(P, hi - lo), ns = num_splits(hi - lo, slen);
+      if (split >= ns) continue;  // nothing to do here (with speculation: confirmed below)
+      const int64_t k0 = lo + split * slen, k1 = hi < k0 + slen ? hi : k0 + slen;
+      __syncthreads();  // shared memory of the previous query is free
 
-    for (int64_t ts = k0 + warp * kTile; ts < k1; ts += kWarps * kTile) {
-      uint32_t kw[2][KW];
-      uint32_t vw[4][VW];
-      bool vok[4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // keys ts + g and ts + 8 + g, this lane's quarter of the row
-        const C* row = row_of(kbase, P.ksb, P.ksr, ts + 8 * r + g);
-        for_groups<0, NKT, KMAXG>([&](auto KT0, auto GS) {
-          constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
-          load_or_zero<4 * gs * E>(row ? row + 16 * kt0 + 4 * tg * gs : nullptr, &kw[r][kt0 * E]);
-        });
-      }
-      auto load_v = [&] {  // keys ts + 2t, 2t + 1, 2t + 8, 2t + 9, this lane's eighth of the row
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const C* row = row_of(vbase, P.vsb, P.vsr, ts + 2 * tg + (j & 1) + 8 * (j >> 1));
-          vok[j] = row != nullptr;
-          for_groups<0, NV, VMAXW>([&](auto V0, auto W) {
-            constexpr int v0 = decltype(V0)::value, w = decltype(W)::value;
-            load_or_zero<w * E>(row ? row + 8 * v0 + g * w : nullptr, &vw[j][v0 * E / 4]);
-          });
+      // The split's block ids (bad ones as -1).
+      const int64_t first = k0 >> P.bs_shift;
+      const int64_t span = k1 > k0 ? ((k1 - 1) >> P.bs_shift) - first + 1 : 0;
+      const int ntb = (int)(span < kMaxTable ? span : kMaxTable);
+      auto table_entry = [&](int j) {
+        const int id = __ldcg(P.bt + b * P.bt_s0 + (first + j) * P.bt_s1);
+        return id >= 0 && id < P.NB ? id : -1;
+      };
+      for (int j = tid; j < ntb; j += kThreads) s_tbl[j] = table_entry(j);
+      __syncthreads();
+      if (spec) pdl_wait();  // q and the caches are the previous kernel's outputs
+
+      // This warp's chunks: w, w + kWarps, ... of the split, KEYS keys each.
+      const int64_t nck = (k1 - k0 + KEYS - 1) / KEYS;
+      const int nmine = nck > warp ? (int)((nck - warp + kWarps - 1) / kWarps) : 0;
+      // Lane `key` of the warp resolves key c0 + key of a chunk: block id (-1: not read) and row.
+      auto resolve = [&](int64_t c0, int& id, int& row) {
+        const int64_t key = c0 + lane;
+        id = -1;
+        row = 0;
+        if (lane < KEYS && key < k1) {
+          const int64_t j = (key >> P.bs_shift) - first;
+          id = j < ntb ? s_tbl[j] : -1;
+          row = (int)(key & row_mask);
         }
       };
-      if constexpr (kVEarly) load_v();
-
-      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      auto chunk_start = [&](int c) { return k0 + (int64_t)(warp + c * kWarps) * KEYS; };
+      auto issue = [&](int c) {  // chunk c of this warp into slot c % stages (one commit group)
+        if (c < nmine) {
+          unsigned char* ks = wslots + (c % stages) * S::SLOT;
+          unsigned char* vs = ks + KEYS * RS;
+          int my_id, my_row;
+          resolve(chunk_start(c), my_id, my_row);
 #pragma unroll
-      for (int kt = 0; kt < NKT; ++kt) {
-        const uint4 aq = s_q[kt * 32 + lane];
-        const uint32_t a[4] = {aq.x, aq.y, aq.z, aq.w};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          uint32_t b0, b1;
-          if constexpr (E == 2) {
-            b0 = kw[r][2 * kt];
-            b1 = kw[r][2 * kt + 1];
-          } else {
-            b0 = fp8x2_to<Q>(kw[r][kt]);
-            b1 = fp8x2_to<Q>(kw[r][kt] >> 16);
+          for (int it = 0; it < S::PIECES / 32; ++it) {
+            const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+            const int id = __shfl_sync(0xffffffffu, my_id, kk), row = __shfl_sync(0xffffffffu, my_row, kk);
+            const bool ok = id >= 0;
+            const C* ksrc = ok ? kbase + (int64_t)id * P.ksb + (int64_t)row * P.ksr + piece * (16 / E) : kbase;
+            const C* vsrc = ok ? vbase + (int64_t)id * P.vsb + (int64_t)row * P.vsr + piece * (16 / E) : vbase;
+            cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)), ksrc, ok);
+            cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)), vsrc, ok);
           }
-          mma16816<Q>(s[r], a, b0, b1);
         }
-      }
-      if constexpr (!kVEarly) load_v();
+        cp_async_commit();
+      };
+      for (int c = 0; c < stages - 1; ++c) issue(c);
 
-      // Scores in log2 units; keys outside the split (or with a bad block) get -inf. s[r][e] is
-      // row g (e < 2) or g + 8, key ts + 8 r + 2 t + (e & 1): the key of vok[2 r + (e & 1)].
+      // Q rows as A fragments (after the wait: q is the previous kernel's output). Warp w stages
+      // rows w, w + 4, ...; rows past G are zeros.
+      {
+        uint32_t* sq = reinterpret_cast<uint32_t*>(s_q);
+        constexpr int NPL = (D / 2 + 31) / 32;  // element pairs per lane
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+        for (int rr = 0; rr < kMaxGroup / kWarps; ++rr) {
+          const int r = warp + kWarps * rr;
+          const Q* qrow = static_cast<const Q*>(P.q) + t * P.qst + ((int64_t)kvh * G + (r < G ? r : 0)) * P.qsh;
+          float x[NPL][2];
+          float mx = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[r][e];
-          if (P.softcap > 0.f) x = P.softcap * tanhf(x * P.qk_scale / P.softcap) * kLog2e;
-          else x *= P.qk_scale_log2;
-          s[r][e] = vok[2 * r + (e & 1)] ? x : -INFINITY;
-        }
-      float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-      float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;  // no inf - inf
-      const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
-      m0 = mn0;
-      m1 = mn1;
-      float p[2][4];
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[r][e] = exp2f(s[r][e] - (e < 2 ? mu0 : mu1));
-      l0 = l0 * c0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-      l1 = l1 * c1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
-      const uint32_t a[4] = {pack2<Q>(p[0][0], p[0][1]), pack2<Q>(p[0][2], p[0][3]), pack2<Q>(p[1][0], p[1][1]),
-                             pack2<Q>(p[1][2], p[1][3])};
-#pragma unroll
-      for (int v = 0; v < NV; ++v) {
-        o[v][0] *= c0;
-        o[v][1] *= c0;
-        o[v][2] *= c1;
-        o[v][3] *= c1;
-        uint32_t b0, b1;
-        if constexpr (E == 2) {
-          const uint32_t sel = (v & 1) ? 0x7632u : 0x5410u;
-          b0 = __byte_perm(vw[0][v / 2], vw[1][v / 2], sel);
-          b1 = __byte_perm(vw[2][v / 2], vw[3][v / 2], sel);
-        } else {
-          const uint32_t sel = (uint32_t)(v & 3) | ((uint32_t)(4 + (v & 3)) << 4);
-          b0 = fp8x2_to<Q>(__byte_perm(vw[0][v / 4], vw[1][v / 4], sel));
-          b1 = fp8x2_to<Q>(__byte_perm(vw[2][v / 4], vw[3][v / 4], sel));
-        }
-        mma16816<Q>(o[v], a, b0, b1);
-      }
-    }
-
-    // Merge the warps: rows' maxima and sums, then the scaled O rows summed in shared memory
-    // (warp by warp, so the result does not depend on timing).
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (tg == 0) {
-      s_wm[warp][g] = m0;
-      s_wm[warp][g + 8] = m1;
-      s_wl[warp][g] = l0;
-      s_wl[warp][g + 8] = l1;
-    }
-    __syncthreads();
-    float M0 = -INFINITY, M1 = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M0 = fmaxf(M0, s_wm[w][g]), M1 = fmaxf(M1, s_wm[w][g + 8]);
-    const float f0 = m0 == -INFINITY ? 0.f : exp2f(m0 - M0), f1 = m1 == -INFINITY ? 0.f : exp2f(m1 - M1);
-    if (tid < 16) {
-      float M = -INFINITY, L = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_wm[w][tid]);
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w)
-        if (s_wm[w][tid] != -INFINITY) L += s_wl[w][tid] * exp2f(s_wm[w][tid] - M);
-      s_m[tid] = M;
-      s_l[tid] = L;
-    }
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      if (warp == w) {
-#pragma unroll
-        for (int v = 0; v < NV; ++v)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = g + 8 * (e >> 1);
-            if (row < G) {
-              float* dst = s_o + row * D + v_column<NV, VMAXW>(v, 2 * tg + (e & 1));
-              const float val = (e < 2 ? f0 : f1) * o[v][e];
-              *dst = w == 0 ? val : *dst + val;
+          for (int k = 0; k < NPL; ++k) {
+            const int p = lane + 32 * k;
+            const bool ok = r < G && p < D / 2;
+            x[k][0] = ok ? to_float(qrow[2 * p]) : 0.f;
+            x[k][1] = ok ? to_float(qrow[2 * p + 1]) : 0.f;
+            mx = fmaxf(mx, fmaxf(fabsf(x[k][0]), fabsf(x[k][1])));
+          }
+          float up = 1.f, down = 1.f;
+          if constexpr (S::kQScale) {  // bf16 q into f16: the row's max into [2^14, 2^15)
+            mx = warp_max(mx);
+            if (mx > 0.f && mx <= 3.0e38f) {
+              int e = 14 - (int)((__float_as_uint(mx) >> 23) & 0xffu) + 127;
+              e = e < -60 ? -60 : (e > 60 ? 60 : e);
+              up = __uint_as_float((uint32_t)(127 + e) << 23);
+              down = __uint_as_float((uint32_t)(127 - e) << 23);
             }
           }
+#pragma unroll
+          for (int k = 0; k < NPL; ++k) {
+            const int p = lane + 32 * k;
+            if (p < D / 2) sq[q_word<NKT, KMAXG>(2 * p, r)] = pack2<MT>(x[k][0] * up, x[k][1] * up);
+          }
+          if (lane == 0) s_rs[r] = down * P.score_scale;
+        }
+      }
+      bool bad = false;
+      if (spec) {
+        if (tid == 0) bad = meta_changed();
+        for (int j = tid; j < ntb; j += kThreads) bad |= table_entry(j) != s_tbl[j];
+      }
+      if (__syncthreads_or(bad)) {  // (also publishes s_q) drop the loads, start over after the wait
+        cp_async_wait<0>();
+        __syncthreads();
+        again = true;
+        break;
+      }
+      checked = true;
+      const float rs0 = s_rs[g], rs1 = s_rs[g + 8];
+
+      float o[NV][4];
+#pragma unroll
+      for (int v = 0; v < NV; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
+      float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
+
+      for (int c = 0; c < nmine; ++c) {
+        __syncwarp();        // every lane is done with the slot chunk c - 1 used
+        issue(c + stages - 1);
+        cp_async_wait_pending(stages - 1);  // this lane's copies of chunk c have landed
+        __syncwarp();        // ... and every lane's
+        int id, row;
+        resolve(chunk_start(c), id, row);
+        const uint32_t valid = __ballot_sync(0xffffffffu, id >= 0);  // bit kk: key kk of the chunk is read
+        const unsigned char* ks = wslots + (c % stages) * S::SLOT;
+        const unsigned char* vs = ks + KEYS * RS;
+
+#pragma unroll
+        for (int tile = 0; tile < TPS; ++tile) {
+          // S = Q K^T for keys 16 tile + 8 r + g (two n-tiles).
+          float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+          for_groups<0, NKT, KMAXG>([&](auto KT0, auto GS) {
+            constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
+            constexpr int BYTES = 4 * gs * E;
+            uint32_t kw[2][(BYTES + 3) / 4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int kk = kTile * tile + 8 * r + g;
+              lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
+            }
+#pragma unroll
+            for (int j = 0; j < gs; ++j) {
+              const uint4 aq = s_q[(kt0 + j) * 32 + lane];
+              const uint32_t a[4] = {aq.x, aq.y, aq.z, aq.w};
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                uint32_t b0, b1;
+                if constexpr (E == 2) {
+                  b0 = kw[r][2 * j];
+                  b1 = kw[r][2 * j + 1];
+                } else {
+                  b0 = e4m3x2_to_h2(kw[r][j]);
+                  b1 = e4m3x2_to_h2(kw[r][j] >> 16);
+                }
+                mma16816<MT>(s[r], a, b0, b1);
+              }
+            }
+          });
+
+          // Scores in log2 units; masked keys get -inf. s[r][e] is row g (e < 2) or g + 8, key
+          // 16 tile + 8 r + 2 t + (e & 1).
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float x = s[r][e] * (e < 2 ? rs0 : rs1);
+              if (P.softcap_log2 > 0.f) x = P.softcap_log2 * tanhf(x);
+              const int kk = kTile * tile + 8 * r + 2 * tg + (e & 1);
+              s[r][e] = (valid >> kk) & 1u ? x : -INFINITY;
+            }
+          float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+          float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+          const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+          const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;  // no inf - inf
+          const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
+          m0 = mn0;
+          m1 = mn1;
+          float p[2][4];
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[r][e] = exp2f(s[r][e] - (e < 2 ? mu0 : mu1));
+          l0 = l0 * c0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+          l1 = l1 * c1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
+          const uint32_t a[4] = {pack2<MT>(p[0][0], p[0][1]), pack2<MT>(p[0][2], p[0][3]),
+                                 pack2<MT>(p[1][0], p[1][1]), pack2<MT>(p[1][2], p[1][3])};
+#pragma unroll
+          for (int v = 0; v < NV; ++v) {
+            o[v][0] *= c0;
+            o[v][1] *= c0;
+            o[v][2] *= c1;
+            o[v][3] *= c1;
+          }
+
+          // O += P V: keys 16 tile + 2 t + (j & 1) + 8 (j >> 1), one segment of values at a time.
+          // Their rows are swizzled by 2 t (((key >> 1) & 3) << 1).
+          for_groups<0, NV, VMAXW>([&](auto V0, auto W) {
+            constexpr int v0 = decltype(V0)::value, w = decltype(W)::value;
+            constexpr int BYTES = w * E;
+            uint32_t vw[4][(BYTES + 3) / 4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
+              lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
+            }
+#pragma unroll
+            for (int v = v0; v < v0 + w; ++v) {
+              uint32_t b0, b1;
+              if constexpr (E == 2) {
+                const uint32_t sel = ((v - v0) & 1) ? 0x7632u : 0x5410u;
+                b0 = __byte_perm(vw[0][(v - v0) / 2], vw[1][(v - v0) / 2], sel);
+                b1 = __byte_perm(vw[2][(v - v0) / 2], vw[3][(v - v0) / 2], sel);
+              } else {
+                const uint32_t bi = (uint32_t)((v - v0) & 3), sel = bi | ((4u + bi) << 4);
+                b0 = e4m3x2_to_h2(__byte_perm(vw[0][(v - v0) / 4], vw[1][(v - v0) / 4], sel));
+                b1 = e4m3x2_to_h2(__byte_perm(vw[2][(v - v0) / 4], vw[3][(v - v0) / 4], sel));
+              }
+              mma16816<MT>(o[v], a, b0, b1);
+            }
+          });
+        }
+      }
+      cp_async_wait<0>();  // (only empty groups can remain)
+      pdl_trigger();       // the main loop is done: the next kernel may start launching
+
+      // Merge the warps: each leaves (m, l) per row and its O rows in shared memory (the slots are
+      // free once every warp is past the barrier); then each output element sums the warps in order.
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+      if (tg == 0) {
+        s_wm[warp][g] = m0;
+        s_wm[warp][g + 8] = m1;
+        s_wl[warp][g] = l0;
+        s_wl[warp][g + 8] = l1;
       }
       __syncthreads();
-    }
-
-    if (ns == 1) {  // the whole range: normalise and write the output
-      Q* orow = static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G) * D;
-      for (int idx = tid; idx < G * (D / 8); idx += kThreads) {
-        const int r = idx / (D / 8), d = (idx % (D / 8)) * 8;
-        const float L = s_l[r], inv = L > 0.f ? P.out_scale / L : 0.f;
-        Vec16<Q> x;
+      float* s_ow = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
 #pragma unroll
-        for (int k = 0; k < 8; ++k) x.v[k] = from_float<Q>(s_o[r * D + d + k] * inv);
-        store16(orow + r * D + d, x);
+      for (int v = 0; v < NV; ++v)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = g + 8 * (e >> 1);
+          if (row < G) s_ow[(warp * G + row) * D + v_column<NV, VMAXW>(v, 2 * tg + (e & 1))] = o[v][e];
+        }
+      __syncthreads();
+
+      const int64_t cidx = t * P.Hk + kvh, pidx = cidx * P.nsplit + split;
+      for (int idx = tid; idx < G * (D / 4); idx += kThreads) {
+        const int r = idx / (D / 4), d = (idx % (D / 4)) * 4;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_wm[w][r]);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float L = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          const float f = s_wm[w][r] == -INFINITY ? 0.f : exp2f(s_wm[w][r] - M);
+          const float4 x = *reinterpret_cast<const float4*>(s_ow + (w * G + r) * D + d);
+          acc.x += f * x.x, acc.y += f * x.y, acc.z += f * x.z, acc.w += f * x.w;
+          L += f * s_wl[w][r];
+        }
+        if (ns == 1) {  // the whole range: normalise and write the output
+          const float inv = L > 0.f ? P.out_scale / L : 0.f;
+          union {
+            Q h[4];
+            uint2 u;
+          } pk;
+          pk.h[0] = from_float<Q>(acc.x * inv);
+          pk.h[1] = from_float<Q>(acc.y * inv);
+          pk.h[2] = from_float<Q>(acc.z * inv);
+          pk.h[3] = from_float<Q>(acc.w * inv);
+          *reinterpret_cast<uint2*>(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + d) = pk.u;
+        } else {  // one split: leave (m, l, O) for the merge
+          *reinterpret_cast<float4*>(P.part_o + (pidx * G + r) * D + d) = acc;
+          if (d == 0) {
+            P.part_ml[(pidx * G + r) * 2] = M;
+            P.part_ml[(pidx * G + r) * 2 + 1] = L;
+          }
+        }
       }
-    } else {  // one split: leave (m, l, O) for the merge
-      const int64_t pidx = (t * P.Hk + kvh) * P.nsplit + split;
-      float4* po = reinterpret_cast<float4*>(P.part_o + pidx * G * D);
-      for (int idx = tid; idx < G * D / 4; idx += kThreads) po[idx] = reinterpret_cast<const float4*>(s_o)[idx];
-      if (tid < G) {
-        P.part_ml[(pidx * G + tid) * 2] = s_m[tid];
-        P.part_ml[(pidx * G + tid) * 2 + 1] = s_l[tid];
+      if (ns == 1) continue;
+
+      // The last split to finish merges them all: sum_s w_s O_s / sum_s w_s l_s, w_s = 2^(m_s - max m),
+      // in split order (warp-wide trees and fixed thread groups: the same result whoever merges).
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) s_last = atomicAdd(P.counters + cidx, 1) == (int)ns - 1;
+      __syncthreads();
+      if (!s_last) continue;
+      __threadfence();
+      const int nsi = (int)ns;
+      const int64_t base = cidx * P.nsplit;
+      float* s_w = reinterpret_cast<float*>(smem);  // [G][ns]
+      for (int r = warp; r < G; r += kWarps) {
+        float M = -INFINITY;
+        for (int s = lane; s < nsi; s += 32) M = fmaxf(M, __ldcg(P.part_ml + ((base + s) * G + r) * 2));
+        M = warp_max(M);
+        float L = 0.f;
+        for (int s = lane; s < nsi; s += 32) {
+          const float m = __ldcg(P.part_ml + ((base + s) * G + r) * 2);
+          const float l = __ldcg(P.part_ml + ((base + s) * G + r) * 2 + 1);
+          const float w = m == -INFINITY ? 0.f : exp2f(m - M);
+          s_w[r * nsi + s] = w;
+          L += w * l;
+        }
+        L = warp_sum(L);
+        if (lane == 0) s_inv[r] = L > 0.f ? P.out_scale / L : 0.f;
       }
+      __syncthreads();
+      constexpr int C4 = D / 4;
+      const int items = G * C4;  // float4 columns of the group's output rows
+      // acc += w_s O_s[r][4c ..] for s = s0, s0 + step, ... in order, 8 loads in flight.
+      auto sum_splits = [&](int s0, int step, int r, int c) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s1 = s0; s1 < nsi; s1 += 8 * step) {
+          float4 x[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int s = s1 + u * step;
+            x[u] = s < nsi ? __ldcg(reinterpret_cast<const float4*>(P.part_o + ((base + s) * G + r) * D) + c)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int s = s1 + u * step;
+            const float w = s < nsi ? s_w[r * nsi + s] : 0.f;
+            acc.x += w * x[u].x, acc.y += w * x[u].y, acc.z += w * x[u].z, acc.w += w * x[u].w;
+          }
+        }
+        return acc;
+      };
+      auto store = [&](int r, int c, float4 acc) {
+        const float inv = s_inv[r];
+        union {
+          Q h[4];
+          uint2 u;
+        } pk;
+        pk.h[0] = from_float<Q>(acc.x * inv);
+        pk.h[1] = from_float<Q>(acc.y * inv);
+        pk.h[2] = from_float<Q>(acc.z * inv);
+        pk.h[3] = from_float<Q>(acc.w * inv);
+        *reinterpret_cast<uint2*>(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + 4 * c) = pk.u;
+      };
+      if (items >= kThreads) {  // a thread per column, all splits in order
+        for (int it = tid; it < items; it += kThreads) store(it / C4, it % C4, sum_splits(0, 1, it / C4, it % C4));
+      } else {  // groups of threads take splits s = grp (mod ngrp); the groups are added in order
+        const int ngrp = kThreads / items, grp = tid / items, it = tid % items;
+        float4* s_acc = reinterpret_cast<float4*>(smem + kMaxGroup * kMaxSplits * 4);
+        if (grp < ngrp) s_acc[grp * items + it] = sum_splits(grp, ngrp, it / C4, it % C4);
+        __syncthreads();
+        if (tid < items) {
+          float4 acc = s_acc[tid];
+          for (int k = 1; k < ngrp; ++k) {
+            const float4 x = s_acc[k * items + tid];
+            acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+          }
+          store(tid / C4, tid % C4, acc);
+        }
+      }
+      if (tid == 0) P.counters[cidx] = 0;  // every split has counted: ready for the next launch
     }
+    if (!again && !checked) {  // speculated and found nothing to do: confirm after the wait
+      pdl_wait();
+      again = __syncthreads_or(tid == 0 && meta_changed());
+    }
+    if (!again) return;
   }
 }
 
-// out = sum_s w_s O_s / sum_s w_s l_s, w_s = 2^(m_s - max m), for each query head of every
-// (token, kv head) whose range was split (the kernel above wrote the others). One CTA per query
-// head row: warp 0 computes the weights, then groups of threads sum disjoint sets of splits for a
-// 4-column slice each (many loads in flight: the partials sit in L2), and the groups are added.
-template <class Q, int D>
-__global__ void __launch_bounds__(kThreads) decode_merge_kernel(const DecodeParams P) {
-  constexpr int C4 = D / 4;             // float4 columns of a row
-  constexpr int NSG = kThreads / C4;    // split groups
-  __shared__ float s_w[kMaxSplits];
-  __shared__ float s_inv;
-  __shared__ float4 s_acc[NSG][C4];
-  const int r = blockIdx.x, kvh = blockIdx.y;
-  const int64_t t = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, G = P.G;
-  if (r >= G) return;
-  auto qsl = [&](int64_t b) { return (int64_t)P.qsl[b * P.qsl_s]; };
-  int64_t b;  // the sequence of token t: t itself in a decode batch, else the last b with qsl[b] <= t
-  if (qsl(t) == t && qsl(t + 1) == t + 1) {
-    b = t;
-  } else {
-    int64_t lo = 0, hi = P.B - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (qsl(mid) <= t) lo = mid;
-      else hi = mid - 1;
-    }
-    b = lo;
-  }
-  const int64_t q0 = qsl(b), n = qsl(b + 1) - q0, i = t - q0, len = P.seq_lens[b * P.sl_s];
-  if (i < 0 || i >= n) return;
-  int64_t lo, hi;
-  visible_keys(P, len, n, i, lo, hi);
-  const int64_t ns = num_splits(hi - lo, split_len(P, hi - lo));
-  if (ns <= 1) return;
-  const int64_t base = (t * P.Hk + kvh) * P.nsplit;
-  if (tid < 32) {
-    float M = -INFINITY;
-    for (int64_t s = lane; s < ns; s += 32) M = fmaxf(M, P.part_ml[((base + s) * G + r) * 2]);
-    M = warp_max(M);
-    float L = 0.f;
-    for (int64_t s = lane; s < ns; s += 32) {
-      const float m = P.part_ml[((base + s) * G + r) * 2], l = P.part_ml[((base + s) * G + r) * 2 + 1];
-      const float w = m == -INFINITY ? 0.f : exp2f(m - M);
-      s_w[s] = w;
-      L += w * l;
-    }
-    L = warp_sum(L);
-    if (lane == 0) s_inv = L > 0.f ? P.out_scale / L : 0.f;
-  }
-  __syncthreads();
-  const int sg = tid / C4, c = tid % C4;
-  if (sg < NSG) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int64_t s = sg; s < ns; s += NSG) {  // empty splits hold zeros: their weight 0 adds nothing
-      const float w = s_w[s];
-      const float4 x = *reinterpret_cast<const float4*>(P.part_o + ((base + s) * G + r) * D + 4 * c);
-      acc.x += w * x.x;
-      acc.y += w * x.y;
-      acc.z += w * x.z;
-      acc.w += w * x.w;
-    }
-    s_acc[sg][c] = acc;
-  }
-  __syncthreads();
-  if (tid < C4) {
-    float4 acc = s_acc[0][tid];
-#pragma unroll
-    for (int k = 1; k < NSG; ++k) {
-      const float4 x = s_acc[k][tid];
-      acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
-    }
-    const float inv = s_inv;
-    union {
-      Q h[4];
-      uint2 u;
-    } pk;
-    pk.h[0] = from_float<Q>(acc.x * inv);
-    pk.h[1] = from_float<Q>(acc.y * inv);
-    pk.h[2] = from_float<Q>(acc.z * inv);
-    pk.h[3] = from_float<Q>(acc.w * inv);
-    Q* orow = static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D;
-    *reinterpret_cast<uint2*>(orow + 4 * tid) = pk.u;
-  }
-}
+// ---- host side ---------------------------------------------------------------------------------
 
 int env_int(const char* name, int fallback) {
   const char* s = std::getenv(name);
   return s && *s ? std::atoi(s) : fallback;
 }
 
-int compute_major() {
-  static int majors[64] = {};
+int current_dev() {
   int dev = 0;
   TALLOW_CUDA_CHECK("paged_attention", cudaGetDevice(&dev));
-  if (dev >= 64) dev = 63;
+  return dev < 64 ? dev : 63;
+}
+
+int compute_major() {
+  static int majors[64] = {};
+  const int dev = current_dev();
   if (!majors[dev])
     TALLOW_CUDA_CHECK("paged_attention", cudaDeviceGetAttribute(&majors[dev], cudaDevAttrComputeCapabilityMajor, dev));
   return majors[dev];
 }
 
+// Pipeline depth (TALLOW_DECODE_STAGES, lowered until the shared memory fits the device), the
+// dynamic shared memory of a launch, and resident CTAs per SM; per device and depth.
+struct KernelFit {
+  int stages = 0;
+  size_t smem = 0;
+  int per_sm = 1;
+};
+
 template <class Q, class C, int D>
-int ctas_per_sm() {
-  static const int n = [] {
-    int v = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, decode_kernel<Q, C, D>, kThreads, 0) != cudaSuccess) {
-      (void)cudaGetLastError();
-      v = 1;
-    }
-    return v > 0 ? v : 1;
-  }();
-  return n;
+KernelFit kernel_fit(int want) {
+  using S = Shape_<Q, C, D>;
+  static std::mutex mu;
+  static KernelFit fits[64][kMaxStages + 1];
+  static size_t max_dyn[64];
+  want = std::clamp(want, 1, kMaxStages);
+  const int dev = current_dev();
+  std::lock_guard<std::mutex> lk(mu);
+  KernelFit& f = fits[dev][want];
+  if (f.stages) return f;
+  auto kernel = decode_kernel<Q, C, D>;
+  if (!max_dyn[dev]) {  // allow every size this device can give (a launch asks for what it needs)
+    cudaFuncAttributes attr{};
+    TALLOW_CUDA_CHECK("paged_attention", cudaFuncGetAttributes(&attr, kernel));
+    int optin = 0;
+    TALLOW_CUDA_CHECK("paged_attention", cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    max_dyn[dev] = (size_t)std::max<int64_t>(0, (int64_t)optin - (int64_t)attr.sharedSizeBytes);
+    TALLOW_CUDA_CHECK("paged_attention", cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                              (int)max_dyn[dev]));
+  }
+  int s = want;
+  auto bytes = [&](int st) { return (size_t)std::max(kWarps * st * S::SLOT, S::EPI_BYTES); };
+  while (s > 1 && bytes(s) > max_dyn[dev]) --s;
+  if (bytes(s) > max_dyn[dev]) return f;  // stages 0: this device cannot run it (the caller falls back)
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, bytes(s)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  f.smem = bytes(s);
+  f.per_sm = std::max(per_sm, 1);
+  f.stages = s;
+  return f;
+}
+
+// The per-device split counters (see the top of the file). Also called when a launch needs none
+// (`used` false), so that the buffer exists before a later capture needs it.
+int* split_counters(int64_t need, bool used, const Tensor& like, cudaStream_t stream, Tensor& fallback) {
+  static std::mutex mu;
+  static int* buf[64] = {};
+  static int64_t cap[64] = {};
+  const int dev = current_dev();
+  std::lock_guard<std::mutex> lk(mu);
+  if (cap[dev] >= need) return buf[dev];
+  const bool capturing = is_capturing(stream);
+  if (!capturing) {
+    int64_t n = kMinCounters;
+    while (n < need) n *= 2;
+    int* p = nullptr;
+    TALLOW_CUDA_CHECK("paged_attention", cudaMalloc(&p, (size_t)n * sizeof(int)));
+    TALLOW_CUDA_CHECK("paged_attention", cudaMemsetAsync(p, 0, (size_t)n * sizeof(int), stream));
+    TALLOW_CUDA_CHECK("paged_attention", cudaStreamSynchronize(stream));  // once: other streams may use it next
+    buf[dev] = p;  // the old buffer stays allocated: captured graphs may still use it
+    cap[dev] = n;
+    return p;
+  }
+  if (!used) return nullptr;
+  fallback = Tensor::empty({need}, DType::I32, like.device());
+  TALLOW_CUDA_CHECK("paged_attention", cudaMemsetAsync(fallback.data_ptr(), 0, (size_t)need * sizeof(int), stream));
+  return static_cast<int*>(fallback.data_ptr());
 }
 
 // The grid's split count: the fewest splits that keep a split's block ids within kMaxTable, then
@@ -583,25 +843,48 @@ int64_t choose_splits(int64_t rows, int64_t maxctx, int64_t slots, int64_t min_s
 
 template <class Q, class C, int D>
 bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, cudaStream_t stream) {
+  const KernelFit fit = kernel_fit<Q, C, D>(env_int("TALLOW_DECODE_STAGES", kDefaultStages));
+  if (fit.stages < 1) return false;
   const int64_t rows = P.T * P.Hk;
-  const int64_t slots = (int64_t)ctas_per_sm<Q, C, D>() * sm_count();
+  const int64_t slots = (int64_t)fit.per_sm * sm_count();
   const int64_t per_split = P.T * P.Hq * (D + 2) * (int64_t)sizeof(float);
   const int64_t n = choose_splits(rows, maxctx, slots, P.min_split, split_cap,
                                   std::max<int64_t>(1, kMaxPartialBytes / per_split));
   if (n < 1) return false;  // a long context over a huge batch: the scratch would not be small
   P.nsplit = (int)n;
-  Tensor scratch;
+  P.stages = fit.stages;
+  Tensor scratch, counters;
   if (n > 1) {
     scratch = Tensor::empty({P.T * P.Hq * n * (D + 2)}, DType::F32, q.device());
     P.part_o = static_cast<float*>(scratch.data_ptr());
     P.part_ml = P.part_o + P.T * P.Hq * n * D;
   }
-  decode_kernel<Q, C, D><<<dim3((unsigned)n, (unsigned)P.Hk, (unsigned)P.B), kThreads, 0, stream>>>(P);
-  TALLOW_CUDA_CHECK_LAUNCH("paged_attention");
-  if (n > 1) {
-    decode_merge_kernel<Q, D><<<dim3((unsigned)P.G, (unsigned)P.Hk, (unsigned)P.T), kThreads, 0, stream>>>(P);
-    TALLOW_CUDA_CHECK_LAUNCH("paged_attention");
+  P.counters = split_counters(rows, n > 1, q, stream, counters);
+  static bool no_pdl[64] = {};  // set when the driver refused the attribute once
+  const int dev = current_dev();
+  const int mode = env_int("TALLOW_DECODE_PDL", 2);
+  const bool pdl = mode > 0 && compute_major() >= 9 && !no_pdl[dev];
+  P.early = pdl && mode >= 2;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((unsigned)n, (unsigned)P.Hk, (unsigned)P.B);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = fit.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_kernel<Q, C, D>, P);
+  if (err != cudaSuccess && pdl && !is_capturing(stream)) {  // an old driver: a plain launch from now on
+    (void)cudaGetLastError();
+    no_pdl[dev] = true;
+    cfg.numAttrs = 0;
+    P.early = 0;
+    err = cudaLaunchKernelEx(&cfg, decode_kernel<Q, C, D>, P);
   }
+  TALLOW_CUDA_CHECK("paged_attention", err);
+  TALLOW_CUDA_CHECK_LAUNCH("paged_attention");
   return true;
 }
 
@@ -636,7 +919,7 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   if ((cd != qd && cd != DType::F8E4M3) || v_cache.dtype() != cd) return false;
   if (D != 64 && D != 80 && D != 96 && D != 128 && D != 256) return false;
   if (v_cache.size(3) != D || Hq % Hk != 0 || Hq / Hk > kMaxGroup) return false;
-  if (BS <= 0 || (BS & (BS - 1)) != 0 || NB > INT32_MAX) return false;
+  if (BS <= 0 || BS > (1 << 20) || (BS & (BS - 1)) != 0 || NB > INT32_MAX) return false;
   for (const Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
     if (t->dtype() != DType::I32) return false;
   if (!rows_aligned(k_cache) || !rows_aligned(v_cache) || !aligned_to(out.data_ptr(), 16) || !out.is_contiguous())
@@ -653,6 +936,7 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   if (ceil_div(maxctx, split_cap) > kMaxSplits) return false;  // contexts past ~kMaxSplits * split_cap
 
   const bool f8 = cd == DType::F8E4M3;
+  const float qk_scale = f8 ? scale * k_scale : scale;
   DecodeParams P{};
   P.q = q.data_ptr();
   P.qst = q.stride(0);
@@ -673,9 +957,8 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   P.G = (int)(Hq / Hk);
   P.bs_shift = bs_shift;
   P.min_split = (int)min_split;
-  P.qk_scale = f8 ? scale * k_scale : scale;
-  P.qk_scale_log2 = P.qk_scale * kLog2e;
-  P.softcap = softcap;
+  P.score_scale = softcap > 0.f ? qk_scale / softcap : qk_scale * kLog2e;
+  P.softcap_log2 = softcap > 0.f ? softcap * kLog2e : 0.f;
   P.out_scale = f8 ? v_scale : 1.0f;
 
   OpContext ctx(q);

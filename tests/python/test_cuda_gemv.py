@@ -1,8 +1,11 @@
 """tallow's decode GEMV (cuda/gemv.cu): linear and matmul with M <= 16 rows on CUDA against float64
 numpy on fresh random inputs (bf16 and f16, bias or none, odd N, strided x rows), the same products
 through cuBLASLt (skinny_max_m 0), bitwise run-to-run determinism, CUDA graph capture, every launch
-configuration (set_gemv_config, TALLOW_GEMV_CONFIG) and its errors. Skipped, with the reason, where
-this build has no CUDA backend or no GPU is present."""
+configuration (set_gemv_config, TALLOW_GEMV_CONFIG) and its errors, in plain and gated (gated_linear)
+mode. The decode path with programmatic dependent launch (PDL): a chain of norms, GEMVs, gated GEMVs
+and silu_and_mul captured with PDL on and off gives bitwise the eager results; TALLOW_PDL=0 turns it
+off; decode-shaped (few-row) norms against float64. Skipped, with the reason, where this build has no
+CUDA backend or no GPU is present."""
 import os
 import subprocess
 import sys
@@ -161,6 +164,11 @@ CONFIGS = ["warps=1,split=1,unroll=2", "warps=16,split=1,unroll=8", "warps=3,spl
            "rt=2,policy=1,pdl=1", "target=4", "target=64,unroll=2", "warps=16,split=8,rt=2,unroll=2,policy=1"]
 
 
+def _silu_mul(x):
+    k = x.shape[-1] // 2
+    return x[..., :k] / (1.0 + np.exp(-x[..., :k])) * x[..., k:]
+
+
 def _check_configs(rng, specs):
     for spec in specs:
         tc._c.set_gemv_config(spec)
@@ -174,6 +182,19 @@ def _check_configs(rng, specs):
                     ref = _f64(x) @ _f64(w).T + _f64(b)
                     assert not np.isnan(got).any(), f"{spec}: M={M} N={N} K={K} outputs left unwritten"
                     assert _rel(got, ref) < TOL[dtype], f"{spec}: M={M} N={N} K={K} {dtype}"
+                    # gated mode (gated_linear): the same launch with the activation staged per warp
+                    xx = tallow.tensor(rng.standard_normal((M, 2 * K)), dtype=dtype)
+                    out = _nan_out(M, N, dtype)
+                    old = tc._c.skinny_max_m()
+                    tc._c.set_skinny_max_m(16)
+                    try:
+                        tallow.ops.gated_linear(xx.to("cuda"), wg, bg, out=out)
+                    finally:
+                        tc._c.set_skinny_max_m(old)
+                    got = _f64(out)
+                    ref = _silu_mul(_f64(xx)) @ _f64(w).T + _f64(b)
+                    assert not np.isnan(got).any(), f"{spec}: gated M={M} N={N} K={K} outputs left unwritten"
+                    assert _rel(got, ref) < TOL[dtype], f"{spec}: gated M={M} N={N} K={K} {dtype}"
 
 
 def test_launch_configs(rng):
@@ -218,3 +239,117 @@ def test_env_config(rng):
     r = subprocess.run([sys.executable, "-c", _CHILD.format(seed=seed)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "TALLOW_GEMV_CONFIG" in r.stderr and "ValueError" in r.stderr, r.stderr
+
+
+# ---- the decode path with programmatic dependent launch -------------------------------------------
+
+def _pdl_toggle():
+    if not hasattr(tc._c, "set_pdl_enabled"):
+        pytest.skip("tallow.cuda._c.set_pdl_enabled is not bound in this build")
+    return tc._c.pdl_enabled()
+
+
+def _decode_chain(x, res, t, layers=3):
+    """A decode step's kernel sequence, `layers` times: fused_add_rms_norm -> gemv -> fused_add_rms_norm ->
+    gemv (gate_up) -> gated gemv (down), plus silu_and_mul -> gemv and rms_norm. res is updated in place."""
+    outs = []
+    h = x
+    for _ in range(layers):
+        a = tallow.ops.fused_add_rms_norm(h, res, t["n1"], eps=1e-5)
+        a = tallow.ops.linear(a, t["wo"])
+        a = tallow.ops.fused_add_rms_norm(a, res, t["n2"], eps=1e-5)
+        gu = tallow.ops.linear(a, t["wgu"])
+        d = tallow.ops.gated_linear(gu, t["wd"])
+        e = tallow.ops.linear(tallow.ops.silu_and_mul(gu), t["wd"], t["bd"])
+        h = tallow.ops.rms_norm(d, t["n3"], eps=1e-5)
+        outs += [d, e, h]
+    return outs + [res]
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_pdl_graph_matches_eager(rng, skinny16, M):
+    """The chain captured with PDL on and off, replayed on fresh inputs: bitwise the eager results (PDL
+    changes when kernels start, never what they compute); replays twice so stale reads would show."""
+    was = _pdl_toggle()
+    H, I, dtype = 1024, 2816, "bfloat16"
+    t = {k: tallow.tensor(v, dtype=dtype).to("cuda") for k, v in {
+        "n1": rng.standard_normal(H) * 0.2 + 1, "n2": rng.standard_normal(H) * 0.2 + 1,
+        "n3": rng.standard_normal(H) * 0.2 + 1, "wo": rng.standard_normal((H, H)) / np.sqrt(H),
+        "wgu": rng.standard_normal((2 * I, H)) / np.sqrt(H), "wd": rng.standard_normal((H, I)) / np.sqrt(I),
+        "bd": rng.standard_normal(H)}.items()}
+    x = tallow.tensor(rng.standard_normal((M, H)), dtype=dtype).to("cuda")
+    res = tallow.tensor(np.zeros((M, H), np.float32), dtype=dtype).to("cuda")
+
+    def fresh():
+        x.copy_(tallow.tensor(rng.standard_normal((M, H)), dtype=dtype).to("cuda"))
+        r0 = tallow.tensor(rng.standard_normal((M, H)) * 3, dtype=dtype).to("cuda")
+        res.copy_(r0)
+        return r0
+
+    def host(ts):
+        return [o.to("cpu").to("float32").numpy() for o in ts]
+
+    try:
+        fresh()
+        _decode_chain(x, res, t)  # warm-up outside the captures
+        tc.synchronize()
+        for pdl in (True, False):
+            tc._c.set_pdl_enabled(pdl)
+            g = tc.CUDAGraph()
+            with tc.graph(g):
+                outs = _decode_chain(x, res, t)
+            for _ in range(2):
+                r0 = fresh()
+                g.replay()
+                tc.synchronize()
+                got = host(outs)
+                res.copy_(r0)
+                want = host(_decode_chain(x, res, t))
+                for i, (a, b) in enumerate(zip(got, want)):
+                    np.testing.assert_array_equal(a, b, err_msg=f"pdl={pdl} M={M}: output {i}")
+            g.reset()
+    finally:
+        tc._c.set_pdl_enabled(was)
+
+
+_PDL_CHILD = textwrap.dedent("""
+    import tallow.cuda as tc
+    print("pdl", tc._c.pdl_enabled())
+""")
+
+
+def test_pdl_env_switch():
+    """TALLOW_PDL=0 turns PDL off (read once, at the first use); the default is on."""
+    _pdl_toggle()
+    for val, want in (("0", "pdl False"), ("1", "pdl True"), (None, "pdl True")):
+        env = dict(os.environ)
+        env.pop("TALLOW_PDL", None)
+        if val is not None:
+            env["TALLOW_PDL"] = val
+        r = subprocess.run([sys.executable, "-c", _PDL_CHILD], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and want in r.stdout, (val, r.stdout, r.stderr)
+
+
+def _rms_ref(x, w, eps=1e-5):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_decode_norms(rng, dtype):
+    """rms_norm / fused_add_rms_norm for a few rows (one pack per thread, up to 1024 threads) and many
+    rows (the batched launch) against float64: hidden sizes of real models and odd ones."""
+    tol = TOL.get(dtype, 1e-5)
+    for H in (64, 2048, 4096, 5120, 8192, 16384, 40000):
+        w = tallow.tensor(rng.standard_normal(H) * 0.2 + 1, dtype=dtype)
+        wg, wr = w.to("cuda"), _f64(w)
+        for M in (1, 2, 4, 200):
+            x = tallow.tensor(rng.standard_normal((M, H)) * 2, dtype=dtype)
+            got = _f64(tallow.ops.rms_norm(x.to("cuda"), wg, eps=1e-5))
+            assert _rel(got, _rms_ref(_f64(x), wr)) < tol, f"rms_norm H={H} M={M} {dtype}"
+            r = tallow.tensor(rng.standard_normal((M, H)) * 3, dtype=dtype)
+            rg = r.to("cuda")
+            got = _f64(tallow.ops.fused_add_rms_norm(x.to("cuda"), rg, wg, eps=1e-5))
+            # the stored residual: the f32 sum (exact f64 sum rounded once), rounded to the dtype
+            s = _f64(tallow.tensor((_f64(x) + _f64(r)).astype(np.float32), dtype=dtype))
+            np.testing.assert_array_equal(_f64(rg), s, err_msg=f"residual H={H} M={M} {dtype}")
+            assert _rel(got, _rms_ref(s, wr)) < tol, f"fused_add_rms_norm H={H} M={M} {dtype}"

@@ -547,3 +547,159 @@ def test_cuda_decode_under_graph_capture(rng):
         ref_idx = [ref["idx"][0], tallow.from_numpy(lens + grow), ref["idx"][2]]
         expect = ops.paged_attention(ref["q"], ref["k"], ref["v"], *ref_idx, 0.09)
         check_cuda(out, expect, "bfloat16", f"graph replay, lengths +{grow}")
+
+
+# ---- CUDA: the fused split merge, split planning, PDL, tuning knobs -------------------------------
+#
+# The decode kernel merges a (token, kv head)'s splits in the CTA that finishes last (an atomic
+# counter in a per-device buffer, reset by that CTA), so these run many splits, repeat launches and
+# graph replays (a counter left non-zero would merge too early or never: wrong or stale outputs),
+# and check that the merge order makes results bitwise reproducible. Bounds as above.
+
+def raw(t):
+    return t.to("cpu").numpy(raw=True).copy()
+
+
+@needs_cuda
+@pytest.mark.parametrize("hq,hk", [(16, 1), (32, 8), (16, 16), (32, 2)])  # groups 16, 4, 1, 16
+@pytest.mark.parametrize("splits", ["64", "256"])
+def test_cuda_decode_fused_merge_many_splits(rng, monkeypatch, hq, hk, splits):
+    """Many splits per sequence (min split 16 keys): the merge of up to 256 partials per head, for
+    group sizes whose merge takes a thread per column (16) or groups of threads (1, 4)."""
+    monkeypatch.setenv("TALLOW_DECODE_SPLITS", splits)
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
+    lens = np.array([4100, 1, 17, 700, 2500, 16 * int(splits)])
+    compare_decode(rng, lens, hq, hk, 128, 16, "bfloat16")
+    compare_decode(rng, lens, hq, hk, 128, 16, "float16", FP8, scales=(0.05, 0.04))
+
+
+@needs_cuda
+def test_cuda_decode_repeated_launches_reset_counters(rng, monkeypatch):
+    """Back-to-back launches whose split counts change per sequence and per call: each merges once,
+    every result right and bitwise equal to the same call made again."""
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "32")
+    dev, ref = decode_case(rng, [3000, 40, 1200, 9], 32, 8, 128, 16, "bfloat16", pad_cols=64)
+    outs = {}
+    for it in range(12):
+        lens = np.array([3000, 40, 1200, 9]) - (it % 4) * np.array([700, 9, 300, 2])
+        idx = [dev["idx"][0], tallow.from_numpy(lens.astype(np.int32)).to("cuda"), dev["idx"][2]]
+        got = ops.paged_attention(dev["q"], dev["k"], dev["v"], *idx, 0.09)
+        if it < 4:
+            ref_idx = [ref["idx"][0], tallow.from_numpy(lens.astype(np.int32)), ref["idx"][2]]
+            check_cuda(got, ops.paged_attention(ref["q"], ref["k"], ref["v"], *ref_idx, 0.09), "bfloat16",
+                       f"launch {it}")
+            outs[it % 4] = raw(got)
+        else:
+            np.testing.assert_array_equal(raw(got), outs[it % 4], err_msg=f"launch {it} differs from launch {it % 4}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_graph_replays_many_splits(rng, monkeypatch, fp8):
+    """A captured step with several decode launches (as a model's layers), replayed many times while
+    lengths change so that sequences go from one split to many and back: every replay matches the
+    CPU op, and replays of the same lengths are bitwise equal (counters reset by every launch)."""
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "64")
+    base = np.array([3, 200, 17, 2900, 64, 1000], np.int32)
+    scales = (0.04, 0.06) if fp8 else (1.0, 1.0)
+    dev, ref = decode_case(rng, base + 1200, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, pad_cols=256,
+                           scales=scales)
+    seq_lens = tallow.from_numpy(base).to("cuda")
+    idx = [dev["idx"][0], seq_lens, dev["idx"][2]]
+    kw = dict(k_scale=scales[0], v_scale=scales[1])
+    layers = 3
+    run = lambda: [ops.paged_attention(dev["q"], dev["k"], dev["v"], *idx, 0.09, **kw) for _ in range(layers)]
+    run()
+    g = tc.CUDAGraph()
+    with tc.graph(g):
+        outs = run()
+    first = {}
+    for rep, grow in enumerate([0, 1200, 0, 600, 1200, 0, 37, 600]):
+        seq_lens.copy_(tallow.from_numpy(base + grow).to("cuda"))
+        g.replay()
+        tc.synchronize()
+        if grow not in first:
+            ref_idx = [ref["idx"][0], tallow.from_numpy(base + grow), ref["idx"][2]]
+            expect = ops.paged_attention(ref["q"], ref["k"], ref["v"], *ref_idx, 0.09, **kw)
+            for o in outs:
+                check_cuda(o, expect, "bfloat16", f"replay {rep}, lengths +{grow}")
+            first[grow] = raw(outs[0])
+        for o in outs:
+            np.testing.assert_array_equal(raw(o), first[grow], err_msg=f"replay {rep}, lengths +{grow}")
+    # eager launches after the replays share the counters: still right
+    seq_lens.copy_(tallow.from_numpy(base + 600).to("cuda"))
+    np.testing.assert_array_equal(raw(run()[0]), first[600])
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
+    """Contexts up to the minimum split length (default 256 keys) run as one split per sequence (no
+    partials, output written directly) although the grid, planned for tables padded to 4096+ tokens
+    as in a captured step, has many: bitwise the result of a one-split grid. Forcing 16-key splits
+    gives the same values within the bound."""
+    lens = np.array([1, 2, 15, 16, 17, 100, 130, 255, 256])
+    scales = (0.05, 0.05) if fp8 else (1.0, 1.0)
+    dev, ref = decode_case(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, pad_cols=256, scales=scales)
+    kw = dict(k_scale=scales[0], v_scale=scales[1])
+    one = run_case(dev, 0.09, **kw)
+    expect = run_case(ref, 0.09, **kw)
+    check_cuda(one, expect, "bfloat16", "one split each")
+    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "1")
+    np.testing.assert_array_equal(raw(run_case(dev, 0.09, **kw)), raw(one))
+    monkeypatch.delenv("TALLOW_DECODE_SPLITS")
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
+    check_cuda(run_case(dev, 0.09, **kw), expect, "bfloat16", "split into 16-key pieces")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
+    """Pipeline depth (TALLOW_DECODE_STAGES) and PDL mode (TALLOW_DECODE_PDL) change timing only:
+    the result is bitwise the same; the split length changes the rounding only (within the bound).
+    The grid's split count is pinned: the default one follows occupancy, which the depth changes."""
+    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "8")
+    lens = rng.integers(1, 6000, size=9)
+    scales = (0.03, 0.07) if fp8 else (1.0, 1.0)
+    dev, ref = decode_case(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, scales=scales)
+    kw = dict(k_scale=scales[0], v_scale=scales[1])
+    expect = run_case(ref, 0.09, **kw)
+    base = raw(run_case(dev, 0.09, **kw))
+    for stages in ("1", "2", "3", "4"):
+        for pdl in ("0", "1", "2"):
+            monkeypatch.setenv("TALLOW_DECODE_STAGES", stages)
+            monkeypatch.setenv("TALLOW_DECODE_PDL", pdl)
+            np.testing.assert_array_equal(raw(run_case(dev, 0.09, **kw)), base, err_msg=f"stages {stages} pdl {pdl}")
+    monkeypatch.delenv("TALLOW_DECODE_STAGES")
+    monkeypatch.delenv("TALLOW_DECODE_PDL")
+    monkeypatch.delenv("TALLOW_DECODE_SPLITS")
+    for min_split in ("16", "128", "512", "4096"):
+        monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", min_split)
+        check_cuda(run_case(dev, 0.09, **kw), expect, "bfloat16", f"min split {min_split}")
+
+
+@needs_cuda
+def test_cuda_decode_metadata_written_by_the_previous_kernel(rng):
+    """i64 indices are cast to i32 by kernels launched right before the decode kernel, into buffers
+    that held other values a moment before: the metadata the kernel reads before its PDL wait must be
+    rechecked after it. Lengths change on every call, eagerly and in a replayed graph."""
+    dev, ref = decode_case(rng, [2000, 700, 33, 1500], 32, 8, 128, 16, "bfloat16", pad_cols=32)
+    tables64 = dev["idx"][0].to("cpu").to("int64").to("cuda")
+    qsl64 = dev["idx"][2].to("cpu").to("int64").to("cuda")
+    for it in range(6):
+        lens = np.array([2000, 700, 33, 1500]) - it * np.array([300, 100, 5, 250])
+        sl64 = tallow.from_numpy(lens.astype(np.int64)).to("cuda")
+        got = ops.paged_attention(dev["q"], dev["k"], dev["v"], tables64, sl64, qsl64, 0.09)
+        ref_idx = [ref["idx"][0], tallow.from_numpy(lens.astype(np.int32)), ref["idx"][2]]
+        check_cuda(got, ops.paged_attention(ref["q"], ref["k"], ref["v"], *ref_idx, 0.09), "bfloat16", f"call {it}")
+    sl64 = tallow.from_numpy(np.array([2000, 700, 33, 1500], np.int64)).to("cuda")
+    g = tc.CUDAGraph()
+    with tc.graph(g):
+        out = ops.paged_attention(dev["q"], dev["k"], dev["v"], tables64, sl64, qsl64, 0.09)
+    for it in range(4):
+        lens = np.array([2000, 700, 33, 1500]) - it * np.array([500, 200, 10, 400])
+        sl64.copy_(tallow.from_numpy(lens.astype(np.int64)).to("cuda"))
+        g.replay()
+        tc.synchronize()
+        ref_idx = [ref["idx"][0], tallow.from_numpy(lens.astype(np.int32)), ref["idx"][2]]
+        check_cuda(out, ops.paged_attention(ref["q"], ref["k"], ref["v"], *ref_idx, 0.09), "bfloat16", f"replay {it}")

@@ -300,3 +300,86 @@ def test_cuda_fp8_decode_window_softcap(rng, q_dtype):
 def test_cuda_fp8_mixed_batch(rng, q_dtype):
     """Prefill and mixed batches over fp8 caches (prefill kernel, or the simple one)."""
     _cuda_vs_cpu_fp8(rng, MIXED, 8, 2, 128, 16, q_dtype, (0.3, 0.1))
+
+
+@needs_cuda
+@pytest.mark.parametrize("src_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("d", [80, 36])  # vectorised and scalar writes
+def test_cuda_reshape_and_cache_fp8_nan_keeps_sign(rng, src_dtype, d):
+    """+NaN -> 0x7f and -NaN -> 0xff in every position (a GPU division would drop the sign), in K
+    and V, next to ordinary values; K and V go out in one launch."""
+    T, hk, bs, nb = 6, 2, 16, 2
+    vals = (rng.standard_normal((T, hk, d)) * 3).astype(np.float32)
+    vals[0, 0, :] = np.nan
+    vals[1, 1, :] = -np.nan
+    vals[2, :, ::3] = -np.nan
+    vals[3, :, 1::5] = np.nan
+    k_t, v_t = tallow.tensor(vals, dtype=src_dtype), tallow.tensor(-vals, dtype=src_dtype)
+    k_r, v_r = k_t.to("float32").numpy(), v_t.to("float32").numpy()
+    before = np.zeros((2, nb, bs, hk, d), np.uint8)
+    slots = np.array([3, 17, 0, 30, 5, -1], np.int64)
+    kc, vc = _fp8_cache(before[0], "cuda"), _fp8_cache(before[1], "cuda")
+    ops.reshape_and_cache(k_t.to("cuda"), v_t.to("cuda"), kc, vc, tallow.from_numpy(slots).to("cuda"),
+                          k_scale=0.5, v_scale=2.0)
+    ek, ev = _expected(before[0], k_r, slots, 0.5), _expected(before[1], v_r, slots, 2.0)
+    assert (ek == 0xFF).any() and (ek == 0x7F).any() and (ev == 0xFF).any()
+    np.testing.assert_array_equal(kc.to("cpu").numpy(raw=True), ek)
+    np.testing.assert_array_equal(vc.to("cpu").numpy(raw=True), ev)
+    # the CPU op writes the same bytes
+    kc2, vc2 = _fp8_cache(before[0]), _fp8_cache(before[1])
+    ops.reshape_and_cache(k_t, v_t, kc2, vc2, tallow.from_numpy(slots), k_scale=0.5, v_scale=2.0)
+    np.testing.assert_array_equal(kc2.numpy(raw=True), ek)
+    np.testing.assert_array_equal(vc2.numpy(raw=True), ev)
+
+
+@needs_cuda
+def test_cuda_reshape_and_cache_mixed_dtypes(rng):
+    """k and v of different dtypes, an fp8 K cache with a bf16 V cache of another head dim: each
+    written as the CPU op writes it (the path with one launch per cache)."""
+    T, hk, d, dv, bs, nb = 9, 2, 64, 32, 16, 2
+    k = tallow.tensor(rng.standard_normal((T, hk, d)).astype(np.float32), dtype="float16")
+    v = tallow.tensor(rng.standard_normal((T, hk, dv)).astype(np.float32), dtype="bfloat16")
+    slots = tallow.from_numpy(rng.permutation(nb * bs)[:T].astype(np.int32))
+    kc = _fp8_cache(np.zeros((nb, bs, hk, d), np.uint8))
+    vc = tallow.tensor(np.zeros((nb, bs, hk, dv), np.float32), dtype="bfloat16")
+    kc_d, vc_d = kc.to("cuda"), vc.to("cuda")
+    ops.reshape_and_cache(k, v, kc, vc, slots, k_scale=0.3, v_scale=0.7)
+    ops.reshape_and_cache(k.to("cuda"), v.to("cuda"), kc_d, vc_d, slots.to("cuda"), k_scale=0.3, v_scale=0.7)
+    np.testing.assert_array_equal(kc_d.to("cpu").numpy(raw=True), kc.numpy(raw=True))
+    np.testing.assert_array_equal(vc_d.to("cpu").numpy(raw=True), vc.numpy(raw=True))
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cuda_fp8_decode_bf16_q_rows_of_any_magnitude(rng, d):
+    """fp8 caches run the mmas in f16; a bf16 q is rescaled per row by a power of two into f16's range.
+    Rows of |q| ~ 1e-6, 1, 1e3 and 1e5 (and an all-zero row) all match the CPU op."""
+    hq, hk = 8, 2
+    seqs = [(int(L), 1) for L in rng.integers(1, 4000, size=5)]
+    tl, _ = fp8_inputs(rng, seqs, hq, hk, d, 16, "float32", 0.05, 0.02, qmul=1.0)
+    q = tl["q"].numpy().copy()
+    mags = np.array([1e-6, 1.0, 1e3, 1e5, 0.0, 3.0, 0.5, 7e4], np.float32)[None, :, None]
+    q = q * mags / np.sqrt(d)  # per-head magnitude; softmax runs from nearly uniform to one-hot
+    qb = tallow.tensor(q, dtype="bfloat16")
+    kw = dict(k_scale=0.05, v_scale=0.02)
+    idx = [tl[k] for k in INDEX_KEYS]
+    got = ops.paged_attention(qb.to("cuda"), tl["k_cache"].to("cuda"), tl["v_cache"].to("cuda"),
+                              *(t.to("cuda") for t in idx), 1.0, **kw)
+    ref = ops.paged_attention(qb.to("float32"), tl["k_cache"], tl["v_cache"], *idx, 1.0, **kw)
+    got = got.to("cpu").to("float32").numpy().astype(np.float64)
+    assert np.isfinite(got).all()
+    ref = ref.numpy().astype(np.float64)
+    for h in range(hq):  # each magnitude on its own (a one-hot head would hide a uniform one)
+        err = relative_error(got[:, h], ref[:, h])
+        assert err <= CUDA_TOL["bfloat16"], f"head {h} (|q| ~ {mags[0, h, 0]:g}): rel err {err:.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
+def test_cuda_fp8_decode_long_and_split(rng, monkeypatch, q_dtype):
+    """Long fp8 contexts split many ways (the fused merge applies v_scale once) and as few ways as
+    the kernel allows (TALLOW_DECODE_SPLITS=1: 20000 keys still need two splits)."""
+    seqs = [(20000, 1), (5000, 1), (300, 1)]
+    _cuda_vs_cpu_fp8(rng, seqs, 16, 2, 128, 16, q_dtype, (0.02, 0.05))
+    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "1")
+    _cuda_vs_cpu_fp8(rng, seqs, 16, 2, 128, 16, q_dtype, (0.02, 0.05))

@@ -38,6 +38,24 @@ class PagedAttention:
                  meta: AttentionMetadata) -> tallow.Tensor:
         k_cache, v_cache = kv_cache
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+        return self.attend(q, kv_cache, meta)
+
+    def rope_and_attend(self, positions: tallow.Tensor, q: tallow.Tensor, k: tallow.Tensor, v: tallow.Tensor,
+                        cos_sin_cache: tallow.Tensor, neox: bool, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
+                        meta: AttentionMetadata, q_norm_weight: Optional[tallow.Tensor] = None,
+                        k_norm_weight: Optional[tallow.Tensor] = None, norm_eps: float = 1e-6,
+                        gemma_norm: bool = False) -> tallow.Tensor:
+        """Optional per-head q/k RMSNorm, RoPE in place and the cache write in one op (one kernel on
+        CUDA: ops.rope_and_cache), then attention; the same result as norm + rotary_embedding + __call__."""
+        k_cache, v_cache = kv_cache
+        ops.rope_and_cache(positions, q, k, v, cos_sin_cache, neox, k_cache, v_cache, meta.slot_mapping,
+                           q_norm_weight, k_norm_weight, norm_eps, gemma_norm, self.k_scale, self.v_scale)
+        return self.attend(q, kv_cache, meta)
+
+    def attend(self, q: tallow.Tensor, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
+               meta: AttentionMetadata) -> tallow.Tensor:
+        """Attention over the cache (this step's K/V written already)."""
+        k_cache, v_cache = kv_cache
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    self.scale, self.sliding_window, self.softcap, k_scale=self.k_scale,
                                    v_scale=self.v_scale)

@@ -76,11 +76,19 @@ class SelfAttention:
         qkv = ops.linear(x, self.qkv, self.qkv_bias)
         d = self.head_dim
         q, k, v = (heads_view(t, n // d, d) for t, n in zip(split_last(qkv, self.sizes), self.sizes))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos_sin, rows = ctx.rope[self.rope_index]
-        ops.rotary_embedding(rows, q, k, cos_sin, self.cfg.rope_neox)
-        if ctx.q_scale is not None:
-            q = ops.mul(q, ctx.q_scale)
-        a = self.attn(q, k, v, kv_cache, ctx.meta)
+        if ctx.q_scale is None and (self.q_norm is None or isinstance(self.q_norm, RMSNorm)):
+            # Per-head RMSNorm (Qwen3, Gemma 3), RoPE and the cache write: one op (one kernel on CUDA),
+            # q and k normed and rotated in place inside qkv.
+            qn, kn = self.q_norm, self.k_norm
+            a = self.attn.rope_and_attend(rows, q, k, v, cos_sin, self.cfg.rope_neox, kv_cache, ctx.meta,
+                                          qn.w if qn else None, kn.w if kn else None,
+                                          qn.eps if qn else 1e-6, bool(qn and qn.gemma_offset))
+        else:  # StableLM's per-head LayerNorm, Llama 4 / Ministral 3 query scaling: the separate ops
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            ops.rotary_embedding(rows, q, k, cos_sin, self.cfg.rope_neox)
+            if ctx.q_scale is not None:
+                q = ops.mul(q, ctx.q_scale)
+            a = self.attn(q, k, v, kv_cache, ctx.meta)
         return ops.linear(a.view(a.shape[0], -1), self.o, self.o_bias)

@@ -1,0 +1,395 @@
+// rope_and_cache on CUDA (contract in cpp/ops/rope_cache.h): per-head q/k RMSNorm, rotary embedding
+// in place and the K/V cache write of every token in ONE launch, replacing up to five (rms_norm on q,
+// rms_norm on k, rotary_embedding, reshape_and_cache's K and V kernels).
+//
+// A block takes a token (grid-stride); its rows are the token's Hq q heads, Hk k heads and Hk v
+// heads, one row per group of G lanes (G = the power of two >= the row's 16-byte packs, at most 32),
+// every row of the token in flight at once for decode-sized blocks. A lane loads its packs of the
+// row (pack p = lane + i * G), the group reduces the sum of squares with xor shuffles, the lane
+// normalises its packs, rounds them to q's dtype and stages them in shared memory, and after a
+// sync rotates its elements reading the partners of its pairs from the staged row (and cos/sin from
+// the token's cos_sin_cache row, loaded with the first rows and staged too). q/k rows
+// are written back in place; k and v rows go to the cache slot (converted, fp8: e4m3(x / scale)).
+//
+// Bit-exactness with the composition (CUDA rms_norm, rotary_embedding, reshape_and_cache):
+// - norm: rms_norm's register kernel with 32 threads (rows of <= 32 packs: f16/bf16 D <= 256, f32
+//   D <= 128) sums x*x per lane with FMAs in pack order, then a 32-lane xor butterfly; the group
+//   butterfly here adds the same partial sums in the same order (the lanes past the row's packs only
+//   add exact zeros there), and 1/sqrt(ss / D + eps) and x * inv * (w + w_add) are the same IEEE
+//   operations. Longer rows: rms_norm splits the sum over more threads (a few f32 ulps in 1/rms).
+// - rotation: a*c - b*s and b*c + a*s are contracted into FMAs by the compiler; rotary_embedding's
+//   kernels (nvcc 13, sm_90) compute a' = fma(a, c, -(b*s)) always, and b' = fma(b, c, a*s) in their
+//   vectorised variants (and f32 interleaved) but fma(a, s, b*c) in the scalar ones. Both are pinned
+//   here with intrinsics and chosen the way rotary_embedding chooses its variant. Another compiler
+//   may contract rope.cu differently: then a rotated element differs by at most one rounding of one
+//   product (<= 1 ulp of the dtype where the result does not cancel).
+// - cache: the same conversion of the same rounded value.
+//
+// Positions and slots are checked on the device and read back before the launch (IndexError /
+// ValueError as on the CPU) unless the stream is capturing or index checks are off; unchecked
+// out-of-range positions leave a row unrotated (still normed and cached, as the composition does)
+// and out-of-range slots are skipped. Under capture on sm_90+ the kernel is launched with PDL
+// (gemv.cuh): it lets its dependents launch, then waits for the previous kernel before its first
+// global read or write.
+#include <type_traits>
+
+#include "gemv.cuh"
+#include "launch.cuh"
+#include "norm.cuh"
+#include "ops_cuda.h"
+#include "paged_attention.cuh"
+
+namespace tallow::cuda {
+
+namespace {
+
+constexpr int kMaxPacks = 4;     // 16-byte packs per lane: D <= 4 * 32 * 16 / sizeof(T)
+constexpr int kCsPerThread = 4;  // cos/sin values a thread stages: blockDim.x >= rot / 4
+
+struct RopeCacheArgs {
+  void* q;
+  void* k;
+  const void* v;
+  int64_t qst, qsh, kst, ksh, vst, vsh;  // element strides of token and head
+  const void* qw;                        // norm weights [D] (contiguous); null: no norm
+  const void* kw;
+  float eps, w_add;
+  IndexArg pos;
+  const float* cs;  // cos_sin_cache [max_pos, rot]
+  int64_t cs_stride, max_pos;
+  int half, rot;
+  bool neox, b_first;  // b_first: b' = fma(b, c, a*s), else fma(a, s, b*c)
+  void* kc;
+  void* vc;
+  CacheArg kca, vca;
+  IndexArg slots;
+  int64_t bs, nslots;
+  float k_scale, v_scale;
+  int64_t T;
+  int Hq, Hk, D, nv, G, np;
+};
+
+// V elements of a cache dtype, stored with the widest aligned access up to 16 bytes.
+template <class C, int V>
+struct alignas(V * sizeof(C) > 16 ? 16 : V * sizeof(C)) CachePack {
+  C v[V];
+};
+
+// Sign bit and NaN-ness of x from its bits (a division would make any NaN the positive canonical one).
+__device__ __forceinline__ bool is_nan_bits(float x, uint32_t& sign) {
+  const uint32_t u = __float_as_uint(x);
+  sign = u >> 31;
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+__device__ __forceinline__ bool is_nan_bits(__half x, uint32_t& sign) {
+  const uint32_t u = __half_as_ushort(x);
+  sign = u >> 15;
+  return (u & 0x7fffu) > 0x7c00u;
+}
+__device__ __forceinline__ bool is_nan_bits(__nv_bfloat16 x, uint32_t& sign) {
+  const uint32_t u = __bfloat16_as_ushort(x);
+  sign = u >> 15;
+  return (u & 0x7fffu) > 0x7f80u;
+}
+
+// The cache's value of x, as reshape_and_cache stores it: fp8 caches hold x / scale (one f32
+// division, then e4m3 rounding), a NaN keeping its sign.
+template <class C, class T>
+__device__ __forceinline__ C cache_value(T x, float scale) {
+  if constexpr (std::is_same_v<C, F8E4M3>) {
+    uint32_t sign;
+    if (is_nan_bits(x, sign)) return F8E4M3{(uint8_t)(0x7fu | (sign << 7))};
+    return from_float<C>(to_float(x) / scale);
+  } else {
+    return from_float<C>(to_float(x));
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float staged(const T* row, int e) {
+  return to_float(row[e]);
+}
+
+// Element e of a row (value x, already rounded to T) after the rotation; partners from the staged
+// `row`, cos/sin from the token's staged cos_sin_cache row `cs`.
+template <class T>
+__device__ __forceinline__ T rotate(const RopeCacheArgs& a, const T* row, int e, T xt, const float* cs) {
+  if (e >= a.rot) return xt;  // partial rotary: untouched
+  const float x = to_float(xt);
+  int i;
+  float pa, pb;  // the pair (a, b); x is a (first) or b (second)
+  bool first;
+  if (a.neox) {
+    first = e < a.half;
+    i = first ? e : e - a.half;
+    pa = first ? x : staged(row, i);
+    pb = first ? staged(row, e + a.half) : x;
+  } else {
+    first = (e & 1) == 0;
+    i = e >> 1;
+    pa = first ? x : staged(row, e - 1);
+    pb = first ? staged(row, e + 1) : x;
+  }
+  const float c = cs[i], s = cs[a.half + i];
+  if (first) return from_float<T>(__fmaf_rn(pa, c, -__fmul_rn(pb, s)));
+  return from_float<T>(a.b_first ? __fmaf_rn(pb, c, __fmul_rn(pa, s)) : __fmaf_rn(pa, s, __fmul_rn(pb, c)));
+}
+
+// NP: packs per lane held in registers (1: rows of <= 32 packs, the common case; else kMaxPacks).
+template <class T, class C, int NP>
+__global__ void __launch_bounds__(NP == 1 ? 1024 : 512) rope_cache_kernel(const RopeCacheArgs a) {
+  constexpr int V = 16 / sizeof(T);
+  using P = Pack<T, V>;
+  using CP = CachePack<C, V>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  pdl_launch_dependents();
+  pdl_wait();  // before the first global read (q/k/v, positions, slots) or write
+  const int G = a.G, lane = threadIdx.x & (G - 1), grp = threadIdx.x / G, ngrp = blockDim.x / G;
+  T* stage = reinterpret_cast<T*>(smem_raw) + (size_t)grp * G * a.np * V;
+  float* cs_s = reinterpret_cast<float*>(smem_raw + (size_t)blockDim.x * a.np * 16);  // the token's cos/sin row
+  const int rot_rows = a.Hq + a.Hk, rows = rot_rows + a.Hk;
+  const bool norm = a.qw != nullptr;
+  for (int64_t t = blockIdx.x; t < a.T; t += gridDim.x) {
+    const int64_t ps = a.pos(t);
+    const bool rope_ok = ps >= 0 && ps < a.max_pos;
+    // The cos/sin row (blockDim.x * kCsPerThread >= rot): loaded now, in flight with the first rows'
+    // loads, staged in shared memory before the first rotation.
+    float cv[kCsPerThread];
+#pragma unroll
+    for (int j = 0; j < kCsPerThread; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      if (rope_ok && c < a.rot) cv[j] = __ldg(a.cs + ps * a.cs_stride + c);
+    }
+    const int64_t slot = a.slots(t);
+    const bool store = slot >= 0 && slot < a.nslots;
+    const int64_t blk = store ? slot / a.bs : 0, brow = store ? slot % a.bs : 0;
+    // Uniform over the block: every lane reaches every __syncwarp and shuffle.
+    for (int r0 = 0; r0 < rows; r0 += ngrp) {
+      const int r = r0 + grp;
+      const bool active = r < rows, is_q = r < a.Hq, is_v = r >= rot_rows;
+      const int h = is_q ? r : is_v ? r - rot_rows : r - a.Hq;
+      T* row = nullptr;
+      if (active)
+        row = is_q ? static_cast<T*>(a.q) + t * a.qst + h * a.qsh
+                   : is_v ? const_cast<T*>(static_cast<const T*>(a.v)) + t * a.vst + h * a.vsh
+                          : static_cast<T*>(a.k) + t * a.kst + h * a.ksh;
+      P x[NP];
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        const int p = lane + i * G;
+        if (active && i < a.np && p < a.nv) x[i] = *reinterpret_cast<const P*>(row + (int64_t)p * V);
+      }
+      if (norm) {
+        const T* w = static_cast<const T*>(is_q ? a.qw : a.kw);
+        P wp[NP];
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          const int p = lane + i * G;
+          if (active && !is_v && i < a.np && p < a.nv) {
+            wp[i] = *reinterpret_cast<const P*>(w + (int64_t)p * V);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+              const float f = to_float(x[i].v[j]);
+              acc = __fmaf_rn(f, f, acc);
+            }
+          }
+        }
+        for (int o = G >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const float inv = 1.0f / sqrtf(acc / (float)a.D + a.eps);
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          const int p = lane + i * G;
+          if (active && !is_v && i < a.np && p < a.nv) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              x[i].v[j] = from_float<T>(
+                  __fmul_rn(__fmul_rn(to_float(x[i].v[j]), inv), __fadd_rn(to_float(wp[i].v[j]), a.w_add)));
+          }
+        }
+      }
+      if (active && !is_v) {
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          const int p = lane + i * G;
+          if (i < a.np && p < a.nv) *reinterpret_cast<P*>(stage + p * V) = x[i];
+        }
+      }
+      if (r0 == 0) {  // uniform: the first rows of the token
+#pragma unroll
+        for (int j = 0; j < kCsPerThread; ++j) {
+          const int c = threadIdx.x + j * blockDim.x;
+          if (rope_ok && c < a.rot) cs_s[c] = cv[j];
+        }
+        __syncthreads();  // also orders the stage for the warp
+      } else {
+        __syncwarp();
+      }
+      if (active) {
+        C* dst = nullptr;
+        float scale = 1.f;
+        if (store && !is_q) {
+          const CacheArg& ca = is_v ? a.vca : a.kca;
+          dst = static_cast<C*>(is_v ? a.vc : a.kc) + blk * ca.sb + brow * ca.sr + h * ca.sh;
+          scale = is_v ? a.v_scale : a.k_scale;
+        }
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          const int p = lane + i * G;
+          if (i >= a.np || p >= a.nv) continue;
+          P y = x[i];
+          if (!is_v) {
+            if (rope_ok) {
+#pragma unroll
+              for (int j = 0; j < V; ++j) y.v[j] = rotate<T>(a, stage, p * V + j, x[i].v[j], cs_s);
+            }
+            *reinterpret_cast<P*>(row + (int64_t)p * V) = y;
+          }
+          if (dst) {
+            CP out;
+#pragma unroll
+            for (int j = 0; j < V; ++j) out.v[j] = cache_value<C>(y.v[j], scale);
+            *reinterpret_cast<CP*>(dst + (int64_t)p * V) = out;
+          }
+        }
+      }
+      __syncwarp();  // the stage is rewritten by the next row
+    }
+    __syncthreads();  // cs_s is rewritten by the next token
+  }
+}
+
+__global__ void check_indices_kernel(IndexArg pos, IndexArg slots, int64_t T, int64_t max_pos, int64_t nslots,
+                                     int* flag) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t p = pos(i);
+    if (p < 0 || p >= max_pos) atomicOr(flag, 1);
+    if (slots(i) >= nslots) atomicOr(flag, 2);
+  }
+}
+
+IndexArg index_arg(const Tensor& t) { return {t.data_ptr(), t.dtype() == DType::I32, t.stride(0), 0}; }
+
+// Rows aligned to `align` bytes: the base and every stride but the last dim's (of dims of size > 1).
+bool rows_aligned(const Tensor& t, size_t align) {
+  if (!aligned_to(t.data_ptr(), align)) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.size(d) > 1 && (t.stride(d) * t.element_size()) % (int64_t)align != 0) return false;
+  return true;
+}
+
+template <class F>
+void dispatch_cache(const char* op, DType d, F&& f) {
+  switch (d) {
+    case DType::F32: return f(float{});
+    case DType::F16: return f(__half{});
+    case DType::BF16: return f(__nv_bfloat16{});
+    case DType::F8E4M3: return f(F8E4M3{});
+    default: throw TypeError(str_cat(op, ": unsupported cache dtype ", dtype_name(d), " on CUDA"));
+  }
+}
+
+}  // namespace
+
+bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& cos_sin_cache, bool neox, const Tensor& k_cache, const Tensor& v_cache,
+                    const Tensor& slot_mapping, const std::optional<Tensor>& q_norm_weight,
+                    const std::optional<Tensor>& k_norm_weight, float norm_eps, bool gemma_norm, float k_scale,
+                    float v_scale) {
+  const char* op = "rope_and_cache";
+  OpContext ctx(q);
+  const int64_t T = positions.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2);
+  const int64_t max_pos = cos_sin_cache.size(0), rot = cos_sin_cache.size(1);
+  const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
+  const IndexArg pos = index_arg(positions), slots = index_arg(slot_mapping);
+  if (T > 0 && index_checks() && !is_capturing(ctx.stream)) {
+    DeviceFlag flag(q, ctx.stream);
+    check_indices_kernel<<<grid_for(T, 256), 256, 0, ctx.stream>>>(pos, slots, T, max_pos, nslots, flag.ptr());
+    TALLOW_CUDA_CHECK_LAUNCH(op);
+    const int f = flag.read();
+    TALLOW_CHECK_INDEX(!(f & 1), op, ": a position is out of range of cos_sin_cache of shape ",
+                       shape_str(cos_sin_cache.shape()), " (valid positions are 0 .. ", max_pos - 1, ")");
+    TALLOW_CHECK(!(f & 2), op, ": a slot in slot_mapping is out of range for k_cache", shape_str(k_cache.shape()),
+                 " (", nslots, " slots; negative slots are skipped)");
+  }
+  if (T == 0 || Hq + 2 * Hk == 0) return true;
+
+  // The layouts the kernel takes; anything else runs the composition (the caller).
+  const int64_t V = 16 / q.element_size(), nv = D / V;
+  const bool norm = q_norm_weight.has_value();
+  if (v.dtype() != q.dtype() || k_cache.dtype() != v_cache.dtype() || v.size(2) != D || D % V != 0 || nv == 0)
+    return false;
+  int64_t G = 1;
+  while (G < nv && G < 32) G *= 2;
+  const int64_t np = ceil_div(nv, G);
+  if (np > kMaxPacks || !rows_aligned(q, 16) || !rows_aligned(k, 16) || !rows_aligned(v, 16)) return false;
+  const size_t calign = (size_t)std::min<int64_t>(16, V * k_cache.element_size());
+  for (const Tensor* c : {&k_cache, &v_cache})
+    if (!rows_aligned(*c, calign)) return false;
+  Tensor qw, kw;
+  if (norm) {
+    auto prep = [](const Tensor& w) { return w.stride(0) == 1 && aligned_to(w.data_ptr(), 16) ? w : contiguous(w); };
+    qw = prep(*q_norm_weight);
+    kw = prep(*k_norm_weight);
+    if (!aligned_to(qw.data_ptr(), 16) || !aligned_to(kw.data_ptr(), 16)) return false;
+  }
+
+  // Which FMA contraction rotary_embedding's kernel would use for b' (see the top of this file).
+  const int64_t half = rot / 2, vr = 8 / q.element_size();
+  const bool rope_vec = half % vr == 0 && cos_sin_cache.stride(0) % vr == 0 &&
+                        aligned_to(cos_sin_cache.data_ptr(), (size_t)vr * sizeof(float));
+  const bool b_first = rope_vec || (!neox && q.dtype() == DType::F32);
+
+  RopeCacheArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.qst = q.stride(0), a.qsh = q.stride(1), a.kst = k.stride(0), a.ksh = k.stride(1);
+  a.vst = v.stride(0), a.vsh = v.stride(1);
+  a.qw = norm ? qw.data_ptr() : nullptr;
+  a.kw = norm ? kw.data_ptr() : nullptr;
+  a.eps = norm_eps;
+  a.w_add = gemma_norm ? 1.f : 0.f;
+  a.pos = pos;
+  a.cs = cos_sin_cache.data<float>();
+  a.cs_stride = cos_sin_cache.stride(0);
+  a.max_pos = max_pos;
+  a.half = (int)half;
+  a.rot = (int)rot;
+  a.neox = neox;
+  a.b_first = b_first;
+  a.kc = k_cache.data_ptr();
+  a.vc = v_cache.data_ptr();
+  a.kca = {k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  a.vca = {v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  a.slots = slots;
+  a.bs = bs;
+  a.nslots = nslots;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  a.T = T;
+  a.Hq = (int)Hq, a.Hk = (int)Hk, a.D = (int)D, a.nv = (int)nv, a.G = (int)G, a.np = (int)np;
+  TALLOW_CHECK(Hq + 2 * Hk < ((int64_t)1 << 30), op, ": too many heads: q", shape_str(q.shape()), " k",
+               shape_str(k.shape()));
+
+  // Every row of a token at once where it fits (decode is latency-bound). Shared memory: the staged
+  // rows (threads * np * 16 bytes, <= 32 KiB) and the token's cos/sin row.
+  const int64_t rows = Hq + 2 * Hk, max_threads = np == 1 ? 1024 : 512;
+  const int64_t min_threads = std::max<int64_t>(32, (ceil_div(rot, kCsPerThread) + 31) / 32 * 32);
+  const int threads = (int)std::min<int64_t>(max_threads, std::max<int64_t>(min_threads, (rows * G + 31) / 32 * 32));
+  const size_t smem = (size_t)threads * np * 16 + (size_t)rot * sizeof(float);
+  const unsigned blocks = (unsigned)std::min<int64_t>(T, (int64_t)1 << 20);
+  const bool pdl = use_pdl(ctx.stream);
+  TALLOW_CUDA_DISPATCH_FLOAT(op, q.dtype(), [&] {
+    using S = scalar_t;
+    dispatch_cache(op, k_cache.dtype(), [&](auto ctag) {
+      using C = decltype(ctag);
+      auto kernel = np == 1 ? rope_cache_kernel<S, C, 1> : rope_cache_kernel<S, C, kMaxPacks>;
+      TALLOW_CUDA_CHECK(op, launch_kernel(kernel, dim3(blocks), dim3(threads), smem, ctx.stream, pdl, a));
+    });
+  });
+  TALLOW_CUDA_CHECK_LAUNCH(op);
+  return true;
+}
+
+}  // namespace tallow::cuda
