@@ -159,6 +159,13 @@ def main() -> int:
         "target=8", "target=24", "target=32", "target=48"]
     results["gemv_sweep"] = []
     old_skinny = tc._c.skinny_max_m()
+    # TALLOW_BENCH_ONLY=<model>[:<M>,<M>...] restricts the GEMM section (e.g. "Llama-3-8B:1" for a quick sweep).
+    only = os.environ.get("TALLOW_BENCH_ONLY", "")
+    if only:
+        name_only, _, ms_only = only.partition(":")
+        layers = [l for l in layers if l[0] == name_only]
+        if ms_only:
+            decode_Ms, prefill_Ms = [int(m) for m in ms_only.split(",")], []
     for model, name, N, K in layers:
         wbytes = N * K * 2
         copies = max(1, min(64, -(-3 * l2 // wbytes)))  # a pass over the copies overflows L2, as in decode

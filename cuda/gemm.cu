@@ -364,7 +364,12 @@ Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   const int64_t M = o.numel() / N;
   OpContext ctx(x);
   const bool hb = bias && bias->defined();
-  if (K > 0 && M <= skinny_max_m() && x.stride(-1) == 1) {
+  // TALLOW_GATED_GEMV=0 sends decode shapes through silu_and_mul + gemv instead (for A/B measurements).
+  static const bool fused = [] {
+    const char* e = std::getenv("TALLOW_GATED_GEMV");
+    return !(e && e[0] == '0');
+  }();
+  if (fused && K > 0 && M <= skinny_max_m() && x.stride(-1) == 1) {
     const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, 2 * K}) : x.reshape({M, 2 * K}));
     if (gemv_gated_supported(x.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(), w.stride(0),
                              w.stride(1), N)) {

@@ -1,8 +1,9 @@
 // Sampling on CUDA (contracts and the RNG in cpp/ops/sampling.h): apply_penalties, sample_tokens,
 // logprobs. Rows are streamed with 16-byte loads, several in flight per thread.
 //
-// sample_tokens is one launch of `split` CTAs of 512 threads per row: split > 1 (a thread-block
-// cluster, sm_90+) when the batch is too small to fill the GPU with one CTA per row. Per row:
+// sample_tokens is one launch of `split` CTAs of 512 threads per row (two CTAs per SM fit): split > 1
+// (a thread-block cluster, sm_90+) when the batch is too small to fill the GPU with a CTA per row.
+// Per row:
 //   greedy        each CTA streams its share of the row once: argmax (NaN largest, first index);
 //                 the cluster combines the CTAs' results through distributed shared memory.
 //   no filters    each CTA streams its share once: argmax of x + g. One multiply bounds x from
@@ -11,22 +12,21 @@
 //                 is skipped without the division and the logs. Both are exact (a skipped token
 //                 can neither win nor tie), so a row's token does not depend on the split; the few
 //                 tokens left compute x = logit / T and g as the CPU does.
-//   Filtered rows run on the row's first CTA alone (the others exit at once):
 //   top-k <= 1024 one pass collects the candidates into shared memory: tokens at or above a
 //                 threshold, raised as the buffer fills to the k-th largest in the buffer (the
 //                 k-th largest of a subset is at most the row's, so every token of the top-k, ties
 //                 included, is collected). Max, top-k, min-p, top-p and the draw then run on the
-//                 buffer.
-//   min-p         one pass collects the tokens with x >= (running max) + log(min_p) - slack: a
+//                 buffer. Split rows: each CTA collects its slice's top k, rank 0 gathers them.
+//   min-p         likewise, collecting the tokens with x >= (running max) + log(min_p) - slack: a
 //                 superset of the kept tokens, and of a top-k's kept ones, whatever k.
 //   top-p alone   a pass for the max, then one pass that sums every token's exact mass and collects
 //                 the 2048 largest x; when the nucleus threshold (from the exact total) lies above
-//                 every token left out, the rest runs on the buffer.
-//   otherwise, or when the buffer overflows: a pass for the max (and, for top-p alone, the softmax
-//                 sum S), then radix selects over the row: three levels (11, 11, 10 bits of the
-//                 key), each a histogram pass whose elements of the chosen bin are also collected;
-//                 once they fit in the buffer, the next levels (and, when the first level's
-//                 collection fit, the draw) run there. Top-p histograms skip tokens with
+//                 every token left out, the rest runs on the buffer. One CTA per row.
+//   otherwise, or when the buffer overflows, on one CTA: a pass for the max (and, for top-p alone,
+//                 the softmax sum S), then radix selects over the row: three levels (11, 11, 10
+//                 bits of the key), each a histogram pass whose elements of the chosen bin are also
+//                 collected; once they fit in the buffer, the next levels (and, when the first
+//                 level's collection fit, the draw) run there. Top-p histograms skip tokens with
 //                 e < (1 - top_p) S / (2 V): together they weigh less than (1 - top_p) S, so the
 //                 threshold is above them. The last pass draws over the kept tokens.
 //   The thresholds are those of the CPU: integer masses, the same keys, the same ties.
@@ -68,6 +68,10 @@ struct KeepAll {
   __device__ __forceinline__ bool operator()(float) const { return true; }
 };
 
+// x + gumbel_bound(h) < skip_below(best) proves x + g rounds below best: the bound's 1e-3 of
+// slack covers the roundings while |best| < 2^13, the 2^-22 |best| (two ulps) beyond.
+__device__ __forceinline__ float skip_below(float best) { return best - fabsf(best) * 0x1p-22f; }
+
 // The draw's score of a kept token: +inf for x = +inf (those win, the first one), else x + g
 // (finite: g < 17.4 cannot carry a finite x past FLT_MAX).
 __device__ __forceinline__ float score(float x, uint32_t h) { return x == INFINITY ? INFINITY : x + gumbel_bits(h); }
@@ -98,16 +102,23 @@ __device__ u64 draw_slice(Smem& s, const T* row, bool vec, int64_t V, int split,
       near |= !(d[j] > kGumbelMax);
     }
     if (!near) return 0u;
+    const uint32_t base = key.a * (uint32_t)i0 + key.c;  // token_bits(key, i0 + j) = hash32(base + a j)
     uint32_t bits = 0;
 #pragma unroll
-    for (int j = 0; j < M; ++j)
-      bits |= (uint32_t)(!(d[j] > kGumbelMax) && !(gumbel_bound(token_bits(key, i0 + j)) < d[j])) << j;
+    for (int j = 0; j < M; ++j) {
+      const float gb = gumbel_bound(hash32(base + key.a * (uint32_t)j));
+      if (!(gb < d[j])) bits |= 1u << j;  // d > kGumbelMax > gb skips too
+    }
     return bits;
   };
   auto slow = [&](int64_t i) {
-    const float x = sc.exact(to_float(row[i]));
+    const float raw = to_float(row[i]);
+    const uint32_t h = token_bits(key, i);
+    const float d = thr - sc.upper(raw);  // again: thr may have risen since the pack's test
+    if (d > kGumbelMax || gumbel_bound(h) < d) return;
+    const float x = sc.exact(raw);
     if (!(x > -INFINITY) || !kept(x)) return;
-    const float v = score(x, token_bits(key, i));
+    const float v = score(x, h);
     if (bi < 0 || v > bv) {  // this thread's indices increase: an equal score loses
       bv = v;
       bi = i;
@@ -130,7 +141,7 @@ __device__ int32_t draw(Smem& s, const RowRef<T>& rr, bool in_buf, int cap, cons
     visit_buf(s, cap, [&](float x, int64_t i, bool valid) {
       if (!valid || !(x > -INFINITY)) return;
       const uint32_t h = token_bits(key, i);
-      if (bi >= 0 && x + gumbel_bound(h) < bv) return;  // cannot win or tie
+      if (bi >= 0 && x + gumbel_bound(h) < skip_below(bv)) return;  // cannot win or tie
       if (!kept(x)) return;
       const float v = score(x, h);
       if (bi < 0 || v > bv || (v == bv && i < bi)) bv = v, bi = i;
@@ -144,21 +155,24 @@ __device__ int32_t draw(Smem& s, const RowRef<T>& rr, bool in_buf, int cap, cons
 
 // ---- greedy and the row max ---------------------------------------------------------------------
 
-// CTA `rank`'s share: rank_key of its argmax (NaN largest, first index), block-uniform.
+// CTA `rank`'s share: rank_key of its argmax (NaN largest, first index), block-uniform. A thread
+// whose values are all -inf reports its first element.
 template <class T>
 __device__ u64 greedy_slice(Smem& s, const T* row, bool vec, int64_t V, int split, int rank) {
   float bv = -INFINITY;
-  int64_t bi = -1;
+  int32_t bi = -1, first = 0x7fffffff;  // V < 2^31
   for_slice<T>(
       row, vec, V, split, rank,
       [&](const auto& f, int64_t i0) {
         constexpr int M = sizeof(f) / sizeof(float);
+        first = min(first, (int32_t)i0);
 #pragma unroll
         for (int j = 0; j < M; ++j)
-          if (bi < 0 || f[j] > bv || (f[j] != f[j] && bv == bv)) bv = f[j], bi = i0 + j;
+          if (f[j] > bv || (f[j] != f[j] && bv == bv)) bv = f[j], bi = (int32_t)i0 + j;
         return 0u;
       },
       [](int64_t) {}, [] {});
+  if (bi < 0 && first != 0x7fffffff) bi = first;
   return block_max_u64(bi < 0 ? 0ull : (u64)rank_key(bv, bi), s.red64);
 }
 
@@ -192,14 +206,16 @@ __device__ __forceinline__ float minp_floor(float m, float lnmp) {
 }
 
 template <class T>
-__device__ __noinline__ bool stream_minp(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, float lnmp, float& m_out) {
+__device__ __noinline__ bool stream_minp(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, float lnmp,
+                                         float& m_out, int64_t base = 0) {
   if (threadIdx.x == 0) s.n = 0, s.best = order_key(-INFINITY);
   __syncthreads();
   float mloc = -INFINITY;
   uint32_t published = order_key(-INFINITY);
   bool ok = true;
   stream_row(rr, [&](const float (&v)[kVec], int64_t i0) {
-    const float thr_x = minp_floor(sc.exact(key_value(s.best)), lnmp);  // s.best stable in a step
+    // any max read here (others may be raising it) is some tokens' max, so its floor is valid
+    const float thr_x = minp_floor(sc.exact(key_value(s.best)), lnmp);
     float xs[kVec];
     bool any = false;
 #pragma unroll
@@ -213,7 +229,7 @@ __device__ __noinline__ bool stream_minp(Smem& s, const RowRef<T>& rr, int cap, 
     }
     if (__any_sync(0xffffffffu, any)) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) append(s, xs[j] > -INFINITY && xs[j] >= thr_x, xs[j], i0 + j, cap);
+      for (int j = 0; j < kVec; ++j) append(s, xs[j] > -INFINITY && xs[j] >= thr_x, xs[j], base + i0 + j, cap);
     }
     const uint32_t mk = order_key(mloc == 0.f ? 0.f : mloc);
     if (mk > published) {
@@ -237,10 +253,11 @@ __device__ __noinline__ bool stream_minp(Smem& s, const RowRef<T>& rr, int cap, 
 
 // top-k <= kStreamMaxK: the candidates in one pass (stream_collect); false when the buffer overflowed.
 template <class T>
-__device__ __noinline__ bool collect_topk(Smem& s, const RowRef<T>& rr, int cap, int k, const Scale& sc) {
-  return stream_collect(s, rr, cap, k, false, [&](float raw, float thr_x) {
-    return sc.upper(raw) >= thr_x ? sc.exact(raw) : -INFINITY;
-  });
+__device__ __noinline__ bool collect_topk(Smem& s, const RowRef<T>& rr, int cap, int k, const Scale& sc,
+                                          int64_t base = 0) {
+  return stream_collect(
+      s, rr, cap, k, false,
+      [&](float raw, float thr_x) { return sc.upper(raw) >= thr_x ? sc.exact(raw) : -INFINITY; }, base);
 }
 
 // top-p alone, m finite: one pass sums every token's exact mass and collects the kNucleusK largest
@@ -314,30 +331,15 @@ __device__ __noinline__ int32_t draw_kept(Smem& s, const RowRef<T>& rr, bool in_
   return draw(s, rr, in_buf, cap, sc, key, kept);
 }
 
-// The token of a row with filters (see the file comment); -1 when nothing is kept. All threads of
-// the CTA call it.
+// The filters and the draw once the row max x is known: on the buffer when complete (it holds
+// every token the filters can keep), else by passes over the row. have_t: the top-p threshold key
+// is already known (t_key). S: the softmax sum for the top-p bound, 0 if unknown. -1: nothing kept.
 template <class T>
-__device__ __noinline__ int32_t filtered_row(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, int k, float p,
-                                             float mp, RowKey key) {
+__device__ __noinline__ int32_t finish_row(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, int k, float p,
+                                           float mp, RowKey key, float m, bool complete, float S, bool have_t,
+                                           uint32_t t_key) {
   const int64_t V = rr.n;
   const bool use_k = k > 0 && k < V, use_p = p < 1.f, use_mp = mp > 0.f;
-  float m = -INFINITY, S = 0.f;
-  bool have_m = false, complete = false, have_t = false;
-  uint32_t t_key = 0;
-  if (cap >= kStreamMinCap) {
-    if (use_k && k <= kStreamMaxK) {
-      complete = collect_topk(s, rr, cap, k, sc);
-    } else if (use_mp) {
-      float mm;
-      complete = stream_minp(s, rr, cap, sc, logf(mp), mm);
-      if (complete) m = mm, have_m = true;
-    } else if (use_p && !use_k) {
-      m = sc.exact(row_max(s, rr.row, rr.vec_ok, V));
-      have_m = true;
-      if (m > -INFINITY && m < INFINITY) complete = have_t = collect_nucleus(s, rr, cap, sc, m, p, t_key);
-    }
-  }
-  if (!have_m) m = complete ? buffer_max(s, cap) : row_stats(s, rr, sc, use_p && !use_k && !use_mp, S);
   if (!(m > -INFINITY)) return -1;
   Kept kept;
   kept.m = m;
@@ -375,6 +377,111 @@ __device__ __noinline__ int32_t filtered_row(Smem& s, const RowRef<T>& rr, int c
   return draw_kept(s, rr, complete, cap, sc, key, kept);
 }
 
+// The token of a row with filters (see the file comment), on one CTA; -1 when nothing is kept.
+// All threads of the CTA call it.
+template <class T>
+__device__ __noinline__ int32_t filtered_row(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, int k, float p,
+                                             float mp, RowKey key) {
+  const int64_t V = rr.n;
+  const bool use_k = k > 0 && k < V, use_p = p < 1.f, use_mp = mp > 0.f;
+  float m = -INFINITY, S = 0.f;
+  bool have_m = false, complete = false, have_t = false;
+  uint32_t t_key = 0;
+  if (cap >= kStreamMinCap) {
+    if (use_k && k <= kStreamMaxK) {
+      complete = collect_topk(s, rr, cap, k, sc);
+    } else if (use_mp) {
+      float mm;
+      complete = stream_minp(s, rr, cap, sc, logf(mp), mm);
+      if (complete) m = mm, have_m = true;
+    } else if (use_p && !use_k) {
+      m = sc.exact(row_max(s, rr.row, rr.vec_ok, V));
+      have_m = true;
+      if (m > -INFINITY && m < INFINITY) complete = have_t = collect_nucleus(s, rr, cap, sc, m, p, t_key);
+    }
+  }
+  if (!have_m) m = complete ? buffer_max(s, cap) : row_stats(s, rr, sc, use_p && !use_k && !use_mp, S);
+  return finish_row(s, rr, cap, sc, k, p, mp, key, m, complete, S, have_t, t_key);
+}
+
+// Whether a filtered row runs split over the cluster (the single-pass collections).
+__device__ __forceinline__ bool split_filters(int64_t V, int cap, int k, float mp) {
+  return cap >= kStreamMinCap && ((k > 0 && k < V && k <= kStreamMaxK) || mp > 0.f);
+}
+
+// A filtered row over the `split` CTAs of a cluster: each collects the candidates of its slice
+// (top-k <= kStreamMaxK: the slice's k largest, ties kept, which include every token of the row's
+// top k; else min-p: the slice's tokens above the floor of its own max, which is at most the
+// row's), then rank 0 gathers them from the others' shared memory (min-p: only those above the
+// floor of the row's max) and finishes on the buffer. If any collection overflowed, rank 0 starts
+// over alone. Returns the token on rank 0 (-1: nothing kept), -2 elsewhere. All threads of every
+// CTA of the cluster call it.
+template <class T>
+__device__ __noinline__ int32_t filtered_row_split(Smem& s, const RowRef<T>& rr, int cap, const Scale& sc, int k,
+                                                   float p, float mp, RowKey key, int split, int rank) {
+  const int64_t V = rr.n;
+  const bool top = k > 0 && k < V && k <= kStreamMaxK;
+  const float lnmp = top ? 0.f : logf(mp);
+  // slices of whole steps' worth of kVec elements: 16-byte aligned wherever the row is
+  const int64_t per = ((V + split - 1) / split + kVec - 1) / kVec * kVec;
+  const int64_t e0 = min(V, rank * per), e1 = min(V, e0 + per);
+  const RowRef<T> sl{rr.row + e0, e1 - e0, rr.vec_ok};
+  bool ok;
+  if (top) {
+    ok = collect_topk(s, sl, cap, k, sc, e0);
+    if (ok) compact_topk(s, sl, cap, k);  // down to the slice's k largest (ties kept)
+  } else {
+    float unused;
+    ok = stream_minp(s, sl, cap, sc, lnmp, unused, e0);
+  }
+  if (threadIdx.x == 0) s.ok = ok ? 1 : 0;
+  cluster_arrive_release();  // every CTA's buffer, n, ok and max (s.best) are final and visible
+  cluster_wait();
+  bool all_ok = ok;
+  float m = -INFINITY;
+  if (rank == 0) {
+    uint32_t mkey = s.best;  // min-p: the order key of the largest raw logit, over the slices
+    for (int q = 1; q < split; ++q) {
+      all_ok = all_ok && ld_cluster(cluster_addr(&s.ok, q)) != 0;
+      if (!top) {
+        const uint32_t b = ld_cluster(cluster_addr(&s.best, q));
+        mkey = b > mkey ? b : mkey;
+      }
+    }
+    float floor_x = -INFINITY;
+    if (!top) {
+      m = sc.exact(key_value(mkey));
+      floor_x = minp_floor(m, lnmp);
+    }
+    if (all_ok) {
+      for (int q = 1; q < split; ++q) {
+        const int nq = min((int)ld_cluster(cluster_addr(&s.n, q)), cap);
+        const uint32_t bx = cluster_addr(&s.bx[0], q), bi = cluster_addr(&s.bi[0], q);
+        for (int j0 = 0; j0 < nq; j0 += kThreads) {
+          const int j = j0 + (int)threadIdx.x;
+          float x = 0.f;
+          int32_t i = 0;
+          bool take = false;
+          if (j < nq) {
+            x = __uint_as_float(ld_cluster(bx + 4u * (uint32_t)j));
+            i = (int32_t)ld_cluster(bi + 4u * (uint32_t)j);
+            take = x >= floor_x;
+          }
+          append(s, take, x, i, cap);
+        }
+      }
+      __syncthreads();
+      all_ok = s.n <= cap;
+    }
+  }
+  cluster_arrive_release();  // rank 0 is done with the others' shared memory: they may exit
+  cluster_wait();
+  if (rank != 0) return -2;
+  if (!all_ok) return filtered_row(s, rr, cap, sc, k, p, mp, key);
+  if (top) m = buffer_max(s, cap);
+  return finish_row(s, rr, cap, sc, k, p, mp, key, m, true, 0.f, false, 0u);
+}
+
 // ---- sample_tokens ----------------------------------------------------------------------------
 
 template <class T>
@@ -394,9 +501,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int k = top_k[r];
   const float p = top_p[r], mp = min_p[r];
   if (!greedy && ((k > 0 && k < V) || p < 1.f || mp > 0.f)) {
-    if (rank != 0) return;
     const RowRef<T> rr{row, V, vec};
-    int32_t tok = filtered_row(s, rr, cap, Scale(temp), k, p, mp, row_key(seeds[r], offsets[r]));
+    int32_t tok;
+    if (split > 1 && split_filters(V, cap, k, mp)) {
+      tok = filtered_row_split(s, rr, cap, Scale(temp), k, p, mp, row_key(seeds[r], offsets[r]), split, rank);
+      if (rank != 0) return;
+    } else {
+      if (rank != 0) return;  // the others exit at once
+      tok = filtered_row(s, rr, cap, Scale(temp), k, p, mp, row_key(seeds[r], offsets[r]));
+    }
     if (tok < 0) tok = (int32_t)key_index(greedy_slice(s, row, vec, V, 1, 0));  // nothing kept
     if (threadIdx.x == 0) out[r] = tok;
     return;

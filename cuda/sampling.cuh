@@ -38,6 +38,7 @@ struct Smem {
   uint32_t best;         // draw: order key of the CTA's best score so far; min-p: of the max logit
   uint32_t sel_digit;
   u64 sel_above;
+  int ok;                // split filtered rows: this CTA's collection fit
 };
 
 // ---- per-element helpers ------------------------------------------------------------------------
@@ -122,6 +123,24 @@ __device__ __forceinline__ void store_remote(u64* p, int rank, u64 v) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   asm volatile("st.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(v) : "memory");
 #endif
+}
+
+// The address of *p (in this CTA's shared memory) in the shared memory of cluster CTA `rank`, and
+// loads from such addresses.
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, int rank) {
+  uint32_t remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+#endif
+  return remote;
+}
+__device__ __forceinline__ uint32_t ld_cluster(uint32_t addr) {
+  uint32_t v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+#endif
+  return v;
 }
 
 // The largest of the split CTAs' block-uniform values, in every thread of rank 0 (others: their
@@ -482,9 +501,10 @@ __device__ void compact_topk(Smem& s, const RowRef<T>& rr, int cap, int k) {
 // most the row's, so no token of the top k is ever left out, and the buffer ends as exactly the
 // tokens with order_key(x) >= s.thr (0: every token pol returned). False when the buffer
 // overflowed: then, with finish, the pass still runs to the end for pol's side effects; else it
-// stops.
+// stops. Indices are stored plus base (rr may be a slice of the row).
 template <class T, class Pol>
-__device__ bool stream_collect(Smem& s, const RowRef<T>& rr, int cap, int k, bool finish, Pol&& pol) {
+__device__ bool stream_collect(Smem& s, const RowRef<T>& rr, int cap, int k, bool finish, Pol&& pol,
+                               int64_t base = 0) {
   if (threadIdx.x == 0) s.n = 0, s.thr = 0;
   __syncthreads();
   bool ok = true;
@@ -500,7 +520,7 @@ __device__ bool stream_collect(Smem& s, const RowRef<T>& rr, int cap, int k, boo
     }
     if (ok && __any_sync(0xffffffffu, any)) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) append(s, xs[j] > -INFINITY && xs[j] >= thr_x, xs[j], i0 + j, cap);
+      for (int j = 0; j < kVec; ++j) append(s, xs[j] > -INFINITY && xs[j] >= thr_x, xs[j], base + i0 + j, cap);
     }
     __syncthreads();
     const int n = s.n;

@@ -128,7 +128,9 @@ int32_t sample_row(const T* l, int64_t V, float temp, int32_t k, float top_p, fl
   float bv = -INFINITY;
   for (int32_t i : cand) {
     const uint32_t h = token_bits(key, i);
-    if (best >= 0 && x[i] + gumbel_bound(h) < bv) continue;  // can neither win nor tie: skip the logs
+    // x + g rounds below bv, so the token can neither win nor tie: skip the logs (the bound's 1e-3
+    // of slack covers the roundings while |bv| < 2^13, the 2^-22 |bv| beyond)
+    if (best >= 0 && x[i] + gumbel_bound(h) < bv - std::fabs(bv) * 0x1p-22f) continue;
     const float v = x[i] + gumbel_bits(h);
     if (best < 0 || v > bv || (v == bv && i < best)) bv = v, best = i;
   }

@@ -68,10 +68,10 @@ std::tuple<Tensor, Tensor, Tensor> logprobs(const Tensor& logits, const Tensor& 
 //   u        = b ? 1 - w : w                                  (uniform on {(2k+1)/2^25}: never 0 or 1)
 //   E = -log(u) = b ? -log1pf(-w) : -logf(w)                  (accurate at both ends)
 //   g        = -logf(E)                                        (Gumbel(0, 1); g < 17.34 always)
-// hash32 is "lowbias32" from Wellons' hash-prospector with TheIronBorn's constants (avalanche bias
-// ~0.11 in the prospector's measure: a flipped input bit flips each output bit with probability
-// 1/2 within about 0.1%); a bijection, and a * i + c is one for odd a, so a row's tokens get
-// distinct hashes; two rows (other seed or offset) walk the input space with unrelated strides.
+// hash32 is "lowbias32" from Wellons' hash-prospector, with TheIronBorn's constants (flipping any
+// input bit flips each output bit with probability 1/2 +- 0.0015, measured over 2^20 inputs: the
+// sampling noise); a bijection, and a * i + c is one for odd a, so a row's tokens get distinct
+// hashes; two rows (other seed or offset) walk the input space with unrelated strides.
 // Measured on the bits used (tests/python/test_sampling_ops.py::test_rng_statistics): uniform
 // 24-bit values, no correlation between neighbouring tokens or consecutive offsets, mean and variance
 // of g those of Gumbel(0, 1). Not cryptographic: do not use the draws as secrets.
@@ -126,22 +126,23 @@ TALLOW_SAMPLING_HD float gumbel_bits(uint32_t h) {
 
 TALLOW_SAMPLING_HD float gumbel(RowKey key, int64_t i) { return gumbel_bits(token_bits(key, i)); }
 
-// >= gumbel_bits(h) (see above): b = 0: 0.3675 > -log(log 2); b = 1: (25 - floor(log2(2j + 1))) log 2,
-// each plus 1e-3. Branch-free.
+// >= gumbel_bits(h) (see above): b = 0: 0.3675 > -log(log 2); b = 1: (25 - floor(log2(2j + 1))) log 2
+// + 1e-3, with floor(log2(2j + 1)) >= floor(log2(2h + 1 mod 2^32)) - 8 (equal for j > 0: below j,
+// 2h + 1 holds only the 8 unused bits and a 1). Branch-free, no conversion instruction on CUDA.
 TALLOW_SAMPLING_HD float gumbel_bound(uint32_t h) {
-  const uint32_t m = ((h >> 7) & 0xFFFFFEu) | 1u;  // 2j + 1 in [1, 2^24)
+  const uint32_t v = 2u * h + 1u;  // b shifted out, j in bits 31..9
 #if defined(__CUDA_ARCH__)
-  const int lg = 31 - __clz((int)m);
-  // (float)lg without a conversion instruction: lg < 2^23 sits in the mantissa of 2^23 + lg
-  const float lgf = __int_as_float(0x4B000000 | lg) - 8388608.0f;
+  uint32_t lg;  // floor(log2 v) in [0, 31]
+  asm("bfind.u32 %0, %1;" : "=r"(lg) : "r"(v));
+  const float lgf = __uint_as_float(0x4B000000u | lg) - 8388608.0f;  // (float)lg: 2^23 + lg - 2^23
 #elif defined(__GNUC__) || defined(__clang__)
-  const float lgf = (float)(31 - __builtin_clz(m));
+  const float lgf = (float)(31 - __builtin_clz(v));
 #else
   int lg = 0;
-  for (uint32_t t = m; t > 1; t >>= 1) ++lg;
+  for (uint32_t t = v; t > 1; t >>= 1) ++lg;
   const float lgf = (float)lg;
 #endif
-  const float b1 = lgf * -0.693147181f + (25.0f * 0.693147181f + 1e-3f);
+  const float b1 = lgf * -0.693147181f + (33.0f * 0.693147181f + 1e-3f);  // (25 - (lg - 8)) log 2 + 1e-3
   return (h >> 31) ? b1 : 0.3675f;
 }
 

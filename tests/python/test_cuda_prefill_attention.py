@@ -57,6 +57,8 @@ def make_case(rng, seqs, hq, hk, d, bs, dtype, cache_dtype=None, qmul=1.0, scale
     # q may be a head slice of a wider [T, Hq + pad, D] tensor (as q of a fused qkv projection is)
     q_full = tallow.tensor(qmul * rng.standard_normal((T, hq + q_pad_heads, d)), dtype=dtype)
     q = q_full[:, :hq] if q_pad_heads else q_full
+    # .to(device) of a view copies it contiguously: slice the head window on the device instead.
+    q_dev = q_full.to(DEVICE)[:, :hq] if q_pad_heads else q_full.to(DEVICE)
     caches, ref_caches = [], []
     for scale in scales:
         x = rng.standard_normal((num_blocks, bs, hk, d))
@@ -69,7 +71,7 @@ def make_case(rng, seqs, hq, hk, d, bs, dtype, cache_dtype=None, qmul=1.0, scale
         caches.append(c)
         ref_caches.append(ref)
     idx = [tallow.from_numpy(np.ascontiguousarray(a)) for a in (tables, np.array([L for L, _ in seqs], np.int32), qsl)]
-    dev = {"q": q.to(DEVICE), "k": caches[0].to(DEVICE), "v": caches[1].to(DEVICE), "idx": [t.to(DEVICE) for t in idx]}
+    dev = {"q": q_dev, "k": caches[0].to(DEVICE), "v": caches[1].to(DEVICE), "idx": [t.to(DEVICE) for t in idx]}
     ref = {"q": q.contiguous().to("float32"), "k": ref_caches[0], "v": ref_caches[1], "idx": idx}
     return dev, ref
 

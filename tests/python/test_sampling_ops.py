@@ -1,12 +1,13 @@
 """apply_penalties / sample_tokens / logprobs (cpp/ops/sampling.h) on every built backend.
 
-sample_tokens is checked against a float64 numpy reference of the same algorithm (the same
-splitmix64 counter hash, so the reference picks the same token): rows where the reference sees a
-near-tie (two Gumbel scores within 1e-5 relative, a min-p or top-p boundary within 4e-6 relative,
-where f32 rounding may decide) are left out of the exact comparisons and must stay rare. On small vocabularies,
-many seeds show that only kept tokens are drawn and every kept token is; a chi-square test on fixed
-seeds checks the distribution (threshold: df + 6 sqrt(2 df), about 6 sigma).
-CUDA rows also run with a tiny candidate buffer, which forces the multi-pass paths."""
+sample_tokens is checked against a float64 numpy reference of the same algorithm (the same counter
+hash, so the reference picks the same token): rows where the reference sees a near-tie (two Gumbel
+scores within 1e-5 relative, a min-p or top-p boundary within 4e-6 relative, where f32 rounding may
+decide) are left out of the exact comparisons and must stay rare. On small vocabularies, many seeds
+show that only kept tokens are drawn and every kept token is; a chi-square test on fixed seeds checks
+the distribution (threshold: df + 6 sqrt(2 df), about 6 sigma), and the RNG's bits are tested for
+uniformity and independence. CUDA rows also run with a tiny candidate buffer, which forces the
+multi-pass paths, and at batch sizes that split a row over several CTAs or none."""
 import contextlib
 
 import numpy as np
@@ -63,18 +64,50 @@ def mix64(z):
         return z ^ (z >> np.uint64(31))
 
 
-def gumbel64(seed, offset, idx):
-    """g for tokens idx of the row keyed (seed, offset), in float64 from the same 24 random bits."""
+def row_key(seed, offset):
+    """(a, c) of sampling.h's row_key: the row's odd multiplier and addend."""
     with np.errstate(over="ignore"):
         s = np.array([seed], dtype=np.int64).view(np.uint64)
         o = np.array([offset], dtype=np.int64).view(np.uint64)
-        key = mix64(mix64(s) + o)
-        h = mix64(key + (np.asarray(idx, dtype=np.uint64) + np.uint64(1)) * GOLD)
-    b = (h >> np.uint64(63)).astype(bool)
-    j = ((h >> np.uint64(40)) & np.uint64(0x7FFFFF)).astype(np.float64)
+        k = mix64(mix64(s) + o)[0]
+    return np.uint32((k >> np.uint64(32)) | np.uint64(1)), np.uint32(k & np.uint64(0xFFFFFFFF))
+
+
+def hash32(x):
+    x = np.asarray(x, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x21F0AAAD)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0xD35A2D97)
+        return x ^ (x >> np.uint32(15))
+
+
+def token_bits(seed, offset, idx):
+    a, c = row_key(seed, offset)
+    with np.errstate(over="ignore"):
+        return hash32(a * np.asarray(idx, dtype=np.int64).astype(np.uint32) + c)
+
+
+def gumbel_of_bits(h):
+    """g from the hash bits, in float64 from the same 24 random bits."""
+    b = (h >> np.uint32(31)).astype(bool)
+    j = ((h >> np.uint32(8)) & np.uint32(0x7FFFFF)).astype(np.float64)
     w = (2 * j + 1) * 2.0**-25
     E = np.where(b, -np.log1p(-w), -np.log(w))
     return -np.log(E)
+
+
+def gumbel64(seed, offset, idx):
+    """g for tokens idx of the row keyed (seed, offset)."""
+    return gumbel_of_bits(token_bits(seed, offset, idx))
+
+
+def uniform64(h):
+    """u = b ? 1 - w : w of sampling.h, in float64."""
+    b = (h >> np.uint32(31)).astype(bool)
+    w = (2 * ((h >> np.uint32(8)) & np.uint32(0x7FFFFF)).astype(np.float64) + 1) * 2.0**-25
+    return np.where(b, 1 - w, w)
 
 
 def ref_kept(raw, T, k, p, min_p):
@@ -85,6 +118,8 @@ def ref_kept(raw, T, k, p, min_p):
     x = x.astype(np.float64)
     V = x.size
     kept = x > -np.inf
+    if not kept.any():
+        return x, kept, False
     m = x.max()
     near = False
     if 0 < k < V and kept.sum() > k:
@@ -172,6 +207,58 @@ def check_against_ref(logits, prm, device, dtype="float32", max_near=0.05):
     assert not bad, f"{len(bad)} rows differ from the reference (row, ref, got): {bad[:5]}"
     assert near_rows <= max_near * logits.shape[0], f"{near_rows} near-tie rows"
     return got
+
+
+# ---- the RNG ----------------------------------------------------------------------------------
+
+def test_rng_statistics(rng):
+    """The RNG's bits (this file's numpy twin of sampling.h; the exact-token tests tie it to the
+    kernels): uniform 24-bit values, no dependence between neighbouring tokens, consecutive
+    offsets or seeds one bit apart, and g distributed as Gumbel(0, 1). Chi-squares at 6 sigma."""
+    rows, n = 64, 1 << 16
+    seeds = rng.integers(-2**63, 2**63 - 1, rows, dtype=np.int64)
+    offsets = rng.integers(0, 1 << 30, rows)
+    idx = np.arange(n)
+    h = np.stack([token_bits(int(sd), int(o), idx) for sd, o in zip(seeds, offsets)])
+    u = uniform64(h)
+    q = (u * 64).astype(np.int64)
+    flat = np.full(4096, 1 / 4096)
+
+    def chi2_ok(cells, what):
+        stat, limit = chi2_stat_and_limit(np.bincount(cells.ravel(), minlength=4096).astype(np.float64), flat,
+                                          cells.size)
+        assert stat < limit, f"{what}: chi-square {stat:.0f} >= {limit:.0f}"
+
+    chi2_ok((u * 4096).astype(np.int64), "uniformity of u")
+    chi2_ok(q[:, :-1] * 64 + q[:, 1:], "tokens i, i + 1")
+    chi2_ok(q[:, :-7] * 64 + q[:, 7:], "tokens i, i + 7")
+    nxt = np.stack([token_bits(int(sd), int(o) + 1, idx) for sd, o in zip(seeds, offsets)])
+    chi2_ok(q * 64 + (uniform64(nxt) * 64).astype(np.int64), "offsets o, o + 1")
+    flip = np.stack([token_bits(int(sd) ^ 1, int(o), idx) for sd, o in zip(seeds, offsets)])
+    chi2_ok(q * 64 + (uniform64(flip) * 64).astype(np.int64), "seeds s, s ^ 1")
+    # each of the 24 bits used is a fair coin
+    bits = ((h[:, :, None] >> np.arange(8, 32, dtype=np.uint32)) & np.uint32(1)).mean(axis=(0, 1))
+    assert np.all(np.abs(bits - 0.5) < 6 * 0.5 / np.sqrt(h.size)), bits
+    g = gumbel_of_bits(h).ravel()
+    # Gumbel(0, 1): mean Euler's gamma, variance pi^2 / 6 (kurtosis 5.4: the variance's error)
+    assert abs(g.mean() - 0.5772156649) < 6 * np.sqrt(np.pi**2 / 6 / g.size)
+    assert abs(g.var() - np.pi**2 / 6) < 6 * np.sqrt((5.4 - 1) * (np.pi**2 / 6) ** 2 / g.size)
+
+
+def test_gumbel_bound_formula(rng):
+    """sampling.h's gumbel_bound (the exact skip of the draw's logs), in float64: never below g, for
+    every j (b = 1), with random unused low bits; and not loose for j > 0: within log 2 (the floor of
+    log2) + log(log 2 / 0.5) (-log(1 - w) >= w at w = 1/2) + 1e-3 above g."""
+    j = np.arange(1 << 23, dtype=np.uint32)
+    h = np.uint32(1 << 31) | (j << np.uint32(8)) | rng.integers(0, 256, j.size).astype(np.uint32)
+    g = gumbel_of_bits(h)
+    v = (h.astype(np.uint64) * 2 + 1) & np.uint64(0xFFFFFFFF)
+    lg = np.floor(np.log2(v.astype(np.float64)))
+    bound = (33 - lg) * np.log(2) + 1e-3
+    assert np.all(bound >= g + 5e-4)
+    assert np.all((bound - g < np.log(2) + np.log(2 * np.log(2)) + 2e-3)[1:])  # j = 0: up to 8 log 2 looser
+    h0 = rng.integers(0, 1 << 31, 1 << 16).astype(np.uint32)  # b = 0
+    assert gumbel_of_bits(h0).max() < 0.3675 - 5e-4
 
 
 # ---- sample_tokens --------------------------------------------------------------------------
@@ -311,18 +398,67 @@ def test_cuda_matches_cpu(dtype, cap, rng):
     assert same >= 0.95, f"CPU and CUDA agree on {same:.0%} of rows"
 
 
+LARGE_CASES = {  # name: (T, top_k, top_p, min_p, flat): the CUDA path each one takes
+    "top_k_top_p": (0.8, 50, 0.9, 0.0, False),        # streaming top-k, the rest in shared memory
+    "top_p": (1.0, 0, 0.95, 0.0, False),              # max pass, mass pass collecting the nucleus
+    "top_p_flat": (1.0, 0, 0.95, 0.0, True),          # nucleus too large: multi-pass radix select
+    "min_p": (1.0, 0, 1.0, 0.01, False),              # streaming min-p
+    "min_p_top_k_large": (0.7, 3000, 0.9, 0.02, False),  # streaming min-p, top-k on its buffer
+    "top_k_large": (1.0, 3000, 1.0, 0.0, False),      # top-k beyond streaming: radix select
+    "none": (1.0, 0, 1.0, 0.0, False),                # one pass, the CTA's best skips hashing
+    "none_flat_cold": (2.0, 0, 1.0, 0.0, True),       # one pass, most tokens hashed
+    "greedy": (0.0, 0, 1.0, 0.0, False),
+}
+
+
 @NEEDS_CUDA
-@pytest.mark.parametrize("case", ["top_k_top_p", "top_p", "min_p", "none", "greedy"])
+@pytest.mark.parametrize("case", sorted(LARGE_CASES))
 def test_cuda_large_vocab(case, rng):
     B, V = 32, 151936
-    logits = (rng.standard_normal((B, V)) * 2.5).astype(np.float32)
-    logits[:, rng.integers(0, V, 200)] += rng.uniform(5, 12, 200)  # a peaked head, like an LM's
-    prm = {"top_k_top_p": params(B, rng, T=0.8, k=50, p=0.9, min_p=0.0),
-           "top_p": params(B, rng, T=1.0, k=0, p=0.95, min_p=0.0),
-           "min_p": params(B, rng, T=1.0, k=0, p=1.0, min_p=0.01),
-           "none": params(B, rng, T=1.0, k=0, p=1.0, min_p=0.0),
-           "greedy": params(B, rng, T=0.0, k=0, p=1.0, min_p=0.0)}[case]
-    check_against_ref(logits, prm, "cuda", "bfloat16")
+    T, k, p, min_p, flat = LARGE_CASES[case]
+    logits = (rng.standard_normal((B, V)) * (0.3 if flat else 2.5)).astype(np.float32)
+    if not flat:
+        logits[:, rng.integers(0, V, 200)] += rng.uniform(5, 12, 200)  # a peaked head, like an LM's
+    check_against_ref(logits, params(B, rng, T=T, k=k, p=p, min_p=min_p), "cuda", "bfloat16")
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("case", ["greedy", "none", "top_k_top_p", "min_p", "top_p"])
+def test_cuda_rows_ignore_split_and_alignment(case, rng):
+    """A row's token does not depend on how many CTAs share the row (B = 1 and 4 split rows over a
+    thread-block cluster on sm_90, B = 256 does not) nor on its alignment (a row stride of V + 1
+    leaves most rows off 16 bytes: scalar loads)."""
+    V = 151936
+    T, k, p, min_p, _ = LARGE_CASES[case]
+    base = (rng.standard_normal((4, V)) * 2.5).astype(np.float32)
+    base[:, rng.integers(0, V, 100)] += rng.uniform(4, 10, 100)
+    prm = params(4, rng, T=T, k=k, p=p, min_p=min_p)
+    four, _ = run_sample(base, prm, "cuda", "bfloat16")
+    ones = [run_sample(base[r:r + 1], {n: v[r:r + 1] for n, v in prm.items()}, "cuda", "bfloat16")[0][0]
+            for r in range(4)]
+    many, _ = run_sample(np.tile(base, (64, 1)), {n: np.tile(v, 64) for n, v in prm.items()}, "cuda", "bfloat16")
+    np.testing.assert_array_equal(ones, four)
+    np.testing.assert_array_equal(many.reshape(64, 4), np.broadcast_to(four, (64, 4)))
+    padded = np.concatenate([np.zeros((4, 1), np.float32), base], axis=1)
+    lt = dev(padded, "cuda", "bfloat16").narrow(1, 1, V)
+    odd = to_np(ops.sample_tokens(lt, **{n: dev(v, "cuda") for n, v in prm.items()}))
+    np.testing.assert_array_equal(odd, four)
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_cuda_masked_vocab(dtype, rng):
+    """Grammar-style masks: 95% of the vocabulary at -inf, and some rows with a single allowed token
+    or none at all (greedy fallback: index 0)."""
+    B, V = 24, 50000
+    logits = (rng.standard_normal((B, V)) * 2).astype(np.float32)
+    logits[rng.random((B, V)) < 0.95] = -np.inf
+    logits[3, :] = -np.inf
+    logits[3, 777] = 1.0
+    logits[5, :] = -np.inf
+    prm = params(B, rng)
+    got = check_against_ref(logits, prm, "cuda", dtype)
+    assert got[3] == 777 and got[5] == 0
 
 
 @NEEDS_CUDA
