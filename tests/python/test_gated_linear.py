@@ -148,7 +148,8 @@ def test_cuda_matches_composition(rng, skinny16, dtype, act):
 def test_cuda_shapes_and_strides(rng, skinny16):
     """1-D and 3-D x, a row-strided view (the GEMV with ldx > 2K), an unaligned view (the fallback)."""
     k, n = 512, 129
-    x, w, b = _inputs(rng, (6, 2 * k + 16), n, "bfloat16", True)
+    x, _, b = _inputs(rng, (6, 2 * k + 16), n, "bfloat16", True)
+    _, w, _ = _inputs(rng, (1, 2 * k), n, "bfloat16", False)  # w [n, k]: the views below are 2k wide
     xg, wg, bg = x.to("cuda"), w.to("cuda"), b.to("cuda")
     for view in (lambda t: t[:, :2 * k], lambda t: t[::2, 8:8 + 2 * k], lambda t: t[1:4, 1:1 + 2 * k]):
         got = _np(tallow.ops.gated_linear(view(xg), wg, bg))
