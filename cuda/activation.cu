@@ -1,9 +1,9 @@
 // silu_and_mul / gelu_and_mul on CUDA: x [..., 2d] (rows any strides, last dim contiguous) ->
 // out [..., d] contiguous. Each thread handles one 16-byte vector of the gate and of the up half.
-// PDL (gemv.cuh) under graph capture on sm_90+: trigger the dependents, then wait before any global
+// PDL (pdl.cuh) under graph capture on sm_90+: trigger the dependents, then wait before any global
 // access; x uses plain loads (no __restrict__: never ld.global.nc, which may move above the wait).
 #include "activation.cuh"
-#include "gemv.cuh"
+#include "pdl.cuh"
 #include "launch.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"

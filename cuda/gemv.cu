@@ -542,19 +542,11 @@ std::string describe(const Launch& L) {
                  ",steps=", L.steps, ")");
 }
 
-std::atomic<bool>& pdl_flag() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("TALLOW_PDL");
-    return !(e && std::string(e) == "0");
-  }()};
-  return on;
-}
-
 // The launch for this shape with PDL resolved for `stream`.
 Launch choose_for(int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
   const DeviceInfo dev = device_info();
   Launch L = choose(M, N, K, dev);
-  if (!pdl_flag().load() || dev.major < 9) L.pdl = 0;
+  if (!pdl_enabled() || dev.major < 9) L.pdl = 0;
   else if (L.pdl < 0) L.pdl = is_capturing(stream) ? 1 : 0;  // weights are static only on the decode path
   return L;
 }
@@ -594,12 +586,6 @@ void gemv_gated(DType dt, const void* x, int64_t ldx, int M, int act, const void
   Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, act, 0};
   if (dt == DType::BF16) launch_typed<__nv_bfloat16, true>(L, a, s);
   else launch_typed<__half, true>(L, a, s);
-}
-
-bool pdl_enabled() { return pdl_flag().load(); }
-void set_pdl_enabled(bool on) { pdl_flag().store(on); }
-bool use_pdl(void* stream) {  // cheapest test first: eager launches pay one cudaStreamIsCapturing
-  return pdl_flag().load() && is_capturing(static_cast<cudaStream_t>(stream)) && device_info().major >= 9;
 }
 
 std::string gemv_config(int64_t M, int64_t N, int64_t K) { return describe(choose(M, N, K, device_info())); }

@@ -1,13 +1,13 @@
 // rms_norm, fused_add_rms_norm and layer_norm on CUDA (see norm.cuh).
 //
-// PDL (gemv.cuh): under graph capture on sm_90+ the kernels are launched with programmatic dependent
+// PDL (pdl.cuh): under graph capture on sm_90+ the kernels are launched with programmatic dependent
 // launch. Each one first lets its own dependents launch (a next gemv starts streaming weights while
 // this tiny kernel runs), warms L2 with its weight (a prefetch reads nothing), then waits for the
 // previous kernel before its first global load or store. x is read with plain loads (no __restrict__,
 // so never ld.global.nc, which ptxas may hoist above the wait): the previous kernel writes it.
 #include <type_traits>
 
-#include "gemv.cuh"
+#include "pdl.cuh"
 #include "launch.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"

@@ -29,11 +29,11 @@
 // ValueError as on the CPU) unless the stream is capturing or index checks are off; unchecked
 // out-of-range positions leave a row unrotated (still normed and cached, as the composition does)
 // and out-of-range slots are skipped. Under capture on sm_90+ the kernel is launched with PDL
-// (gemv.cuh): it lets its dependents launch, then waits for the previous kernel before its first
+// (pdl.cuh): it lets its dependents launch, then waits for the previous kernel before its first
 // global read or write.
 #include <type_traits>
 
-#include "gemv.cuh"
+#include "pdl.cuh"
 #include "launch.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"

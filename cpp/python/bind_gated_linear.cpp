@@ -6,6 +6,7 @@
 #include "ops/gated_linear.h"
 #ifdef TALLOW_WITH_CUDA
 #include "gemv.cuh"
+#include "pdl.cuh"
 #endif
 
 namespace py = pybind11;
