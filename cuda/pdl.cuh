@@ -13,7 +13,7 @@ namespace tallow::cuda {
 // streams that are capturing a CUDA graph (the decode path; weights are never written there, so
 // gemv's first weight loads go before the wait). Every one of them waits in every thread, so a
 // kernel's completion still implies its predecessors' (a later kernel's wait covers the whole chain).
-bool pdl_enabled();              // TALLOW_PDL=0 (read once) turns PDL off everywhere; default on
+bool pdl_enabled();              // TALLOW_PDL=1 (read once) turns it on; default off (measured slower)
 void set_pdl_enabled(bool on);   // tests: compare with and without
 bool use_pdl(void* stream);      // enabled, compute capability >= 9.0 and `stream` is capturing
 
