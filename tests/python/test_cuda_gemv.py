@@ -3,8 +3,8 @@ numpy on fresh random inputs (bf16 and f16, bias or none, odd N, strided x rows)
 through cuBLASLt (skinny_max_m 0), bitwise run-to-run determinism, CUDA graph capture, every launch
 configuration (set_gemv_config, TALLOW_GEMV_CONFIG) and its errors, in plain and gated (gated_linear)
 mode. The decode path with programmatic dependent launch (PDL): a chain of norms, GEMVs, gated GEMVs
-and silu_and_mul captured with PDL on and off gives bitwise the eager results; TALLOW_PDL=0 turns it
-off; decode-shaped (few-row) norms against float64. Skipped, with the reason, where this build has no
+and silu_and_mul captured with PDL on and off gives bitwise the eager results; TALLOW_PDL=1 turns it
+on; decode-shaped (few-row) norms against float64. Skipped, with the reason, where this build has no
 CUDA backend or no GPU is present."""
 import os
 import subprocess
@@ -319,9 +319,9 @@ _PDL_CHILD = textwrap.dedent("""
 
 
 def test_pdl_env_switch():
-    """TALLOW_PDL=0 turns PDL off (read once, at the first use); the default is on."""
+    """TALLOW_PDL=1 turns PDL on (read once, at the first use); the default is off (measured slower)."""
     _pdl_toggle()
-    for val, want in (("0", "pdl False"), ("1", "pdl True"), (None, "pdl True")):
+    for val, want in (("0", "pdl False"), ("1", "pdl True"), (None, "pdl False")):
         env = dict(os.environ)
         env.pop("TALLOW_PDL", None)
         if val is not None:

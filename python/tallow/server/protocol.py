@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any, Optional
 
+import numpy as np
 from aiohttp import web
 
 from tallow.engine.sampling_params import SamplingParams
@@ -43,6 +44,23 @@ def _check_strings(obj: Any) -> None:
             stack.extend(v)
 
 
+MAX_JSON_DEPTH = 256  # OpenAI request bodies nest a few levels; json.loads recurses once per level
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = np.zeros(128, dtype=np.int8)
+_BRACKETS[[ord("["), ord("{")]] = 1
+_BRACKETS[[ord("]"), ord("}")]] = -1
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest [ / { nesting of a JSON text, strings left out (vectorised: bodies reach megabytes)."""
+    stripped = _STRING.sub("", text)
+    if "[" not in stripped and "{" not in stripped:
+        return 0
+    codes = np.frombuffer(stripped.encode("ascii", "replace"), dtype=np.uint8)
+    steps = _BRACKETS[np.minimum(codes, 127)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
 async def read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
@@ -55,12 +73,17 @@ async def read_json(request: web.Request) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    if _nesting_depth(text) > MAX_JSON_DEPTH:  # refused before the parser can hit the recursion limit
+        raise bad_request("the request body is nested too deeply")
+    error = None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
-        raise bad_request("the request body is nested too deeply") from None
+        error = "the request body is nested too deeply"
     except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+        error = f"the request body is not valid JSON: {e}"
+    if error is not None:  # raised outside the handler: the parser's exception is not kept as context
+        raise bad_request(error)
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
     _check_strings(body)
