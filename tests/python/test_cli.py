@@ -207,8 +207,9 @@ def test_serve_dispatch():
         assert r.returncode == 0 and "Traceback" not in r.stderr
 
 
-def test_demo_model_missing(monkeypatch, capsys):
+def test_demo_model_missing(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("TALLOW_CACHE_DIR", str(tmp_path))  # nor in tallow's cache
     assert cli.demo_model_path() is None
     assert cli.main(["generate", "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

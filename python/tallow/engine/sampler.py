@@ -212,7 +212,6 @@ class Sampler:
         raw = np.asarray(logits, dtype=np.float32)
         if raw.ndim != 2 or raw.shape[0] != B:
             raise ValueError(f"logits of shape {raw.shape} for {B} requests")
-        V = raw.shape[1]
         params = [r.params for r in reqs]
         x = self.apply_penalties(raw, reqs, eos_ids)
 

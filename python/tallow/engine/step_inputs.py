@@ -52,7 +52,7 @@ class StepInputs:
 
     def views(self, num_tokens: int, num_seqs: int, num_rows: int = 0):
         """(input ids, positions, AttentionMetadata, rows to sample) over the device buffers."""
-        t, b = self.max_tokens, self.max_seqs
+        t = self.max_tokens
         d32, d64 = self.d_i32, self.d_i64
         meta = AttentionMetadata(
             slot_mapping=d64.narrow(0, t, num_tokens),
