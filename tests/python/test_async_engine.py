@@ -47,10 +47,12 @@ def run(coro):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def test_streams_match_offline_generate(model_dir, rng):
+# overlap: steps overlapped with the host (the GPU default), run here on the CPU with the device sampling ops.
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_streams_match_offline_generate(model_dir, rng, overlap):
     prompts = [rng.integers(2, 320, int(n)).tolist() for n in rng.integers(3, 40, 6)]
     offline = LLM(str(model_dir), num_kv_blocks=128).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    eng = make_engine(model_dir)
+    eng = make_engine(model_dir, async_scheduling=overlap)
 
     async def main():
         ae = AsyncEngine(eng)
@@ -66,8 +68,9 @@ def test_streams_match_offline_generate(model_dir, rng):
     assert pool_free(eng)
 
 
-def test_sixteen_concurrent_requests_with_n_and_stop(model_dir):
-    eng = make_engine(model_dir, num_kv_blocks=40)  # small: forces preemption under load
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_sixteen_concurrent_requests_with_n_and_stop(model_dir, overlap):
+    eng = make_engine(model_dir, num_kv_blocks=40, async_scheduling=overlap)  # small: forces preemption under load
 
     async def main():
         ae = AsyncEngine(eng)
@@ -87,8 +90,9 @@ def test_sixteen_concurrent_requests_with_n_and_stop(model_dir):
             assert 1 <= len(ids[i]) <= 20
 
 
-def test_abort_frees_blocks_before_the_next_step(model_dir):
-    eng = make_engine(model_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_abort_frees_blocks_before_the_next_step(model_dir, overlap):
+    eng = make_engine(model_dir, async_scheduling=overlap)
 
     async def main():
         ae = AsyncEngine(eng)
