@@ -36,37 +36,6 @@ __global__ void check_slots_kernel(IndexArg slots, int64_t T, int64_t nslots, in
     if (slots(i) >= nslots) atomicMax(flag, 1);
 }
 
-// Sign bit and NaN-ness of a source element, from its bits (a GPU division turns any NaN into the
-// canonical positive one, so the sign must be taken before dividing).
-__device__ __forceinline__ bool nan_bits(float x, uint32_t& sign) {
-  const uint32_t u = __float_as_uint(x);
-  sign = u >> 31;
-  return (u & 0x7fffffffu) > 0x7f800000u;
-}
-__device__ __forceinline__ bool nan_bits(__half x, uint32_t& sign) {
-  const uint32_t u = __half_as_ushort(x);
-  sign = u >> 15;
-  return (u & 0x7fffu) > 0x7c00u;
-}
-__device__ __forceinline__ bool nan_bits(__nv_bfloat16 x, uint32_t& sign) {
-  const uint32_t u = __bfloat16_as_ushort(x);
-  sign = u >> 15;
-  return (u & 0x7fffu) > 0x7f80u;
-}
-
-// The cache's value of x: fp8 caches hold x / scale (one f32 division, then e4m3 rounding); a NaN
-// keeps its sign (0x7f | sign), as on the CPU.
-template <class C, class S>
-__device__ __forceinline__ C cache_value(S x, float scale) {
-  if constexpr (std::is_same_v<C, F8E4M3>) {
-    uint32_t sign;
-    if (nan_bits(x, sign)) return F8E4M3{(uint8_t)(0x7fu | (sign << 7))};
-    return from_float<C>(to_float(x) / scale);
-  } else {
-    return from_float<C>(to_float(x));
-  }
-}
-
 // Eight consecutive elements, moved with the widest aligned accesses (16 bytes at most).
 template <class T>
 struct alignas(8 * sizeof(T) > 16 ? 16 : 8 * sizeof(T)) Pack8 {

@@ -75,36 +75,6 @@ struct alignas(V * sizeof(C) > 16 ? 16 : V * sizeof(C)) CachePack {
   C v[V];
 };
 
-// Sign bit and NaN-ness of x from its bits (a division would make any NaN the positive canonical one).
-__device__ __forceinline__ bool is_nan_bits(float x, uint32_t& sign) {
-  const uint32_t u = __float_as_uint(x);
-  sign = u >> 31;
-  return (u & 0x7fffffffu) > 0x7f800000u;
-}
-__device__ __forceinline__ bool is_nan_bits(__half x, uint32_t& sign) {
-  const uint32_t u = __half_as_ushort(x);
-  sign = u >> 15;
-  return (u & 0x7fffu) > 0x7c00u;
-}
-__device__ __forceinline__ bool is_nan_bits(__nv_bfloat16 x, uint32_t& sign) {
-  const uint32_t u = __bfloat16_as_ushort(x);
-  sign = u >> 15;
-  return (u & 0x7fffu) > 0x7f80u;
-}
-
-// The cache's value of x, as reshape_and_cache stores it: fp8 caches hold x / scale (one f32
-// division, then e4m3 rounding), a NaN keeping its sign.
-template <class C, class T>
-__device__ __forceinline__ C cache_value(T x, float scale) {
-  if constexpr (std::is_same_v<C, F8E4M3>) {
-    uint32_t sign;
-    if (is_nan_bits(x, sign)) return F8E4M3{(uint8_t)(0x7fu | (sign << 7))};
-    return from_float<C>(to_float(x) / scale);
-  } else {
-    return from_float<C>(to_float(x));
-  }
-}
-
 template <class T>
 __device__ __forceinline__ float staged(const T* row, int e) {
   return to_float(row[e]);
