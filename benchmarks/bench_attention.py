@@ -29,10 +29,11 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 
 import numpy as np
+
+import gpu_timing
 
 HQ, HK, D, BS = 32, 8, 128, 16
 # Predictions, written before the run. Decode (one kernel: cp.async pipelines, the split merge in the
@@ -101,44 +102,10 @@ def main() -> int:
         return t
 
     def time_ms(fn, iters=args.iters, reps=args.reps, warm=3):
-        """Median milliseconds per call: events around `iters` back-to-back calls, `reps` times."""
-        for i in range(warm):
-            fn(i)
-        tc.synchronize()
-        times = []
-        for _ in range(reps):
-            s, e = tc.Event(True), tc.Event(True)
-            s.record()
-            for i in range(iters):
-                fn(i)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / iters)
-        return statistics.median(times)
+        return gpu_timing.time_ms(fn, iters, reps, warm)
 
     def time_graph_ms(fn, calls):
-        """Median milliseconds per call of `calls` calls captured in one CUDA graph (as the engine's
-        decode steps run: no host overhead between kernels), or None when capture fails."""
-        try:
-            g = tc.CUDAGraph()
-            with tc.graph(g):
-                for i in range(calls):
-                    fn(i)
-        except Exception as e:  # noqa: BLE001 - report and fall back to eager timing
-            print("    graph capture failed (%s); eager timing only" % e)
-            return None
-        for _ in range(2):
-            g.replay()
-        tc.synchronize()
-        times = []
-        for _ in range(args.reps):
-            s, e = tc.Event(True), tc.Event(True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / calls)
-        return statistics.median(times)
+        return gpu_timing.time_graph_ms(fn, calls, args.reps)
 
     def record(name, value, unit, ceiling, prediction, **extra):
         row = {"name": name, "device": dev_name, "value": round(value, 3), "unit": unit,

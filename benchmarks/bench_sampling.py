@@ -28,10 +28,11 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 
 import numpy as np
+
+import gpu_timing
 
 V = 151936
 CASES = {  # name: (temperature, top_k, top_p, min_p)
@@ -78,43 +79,10 @@ def main() -> int:
     results = []
 
     def time_ms(fn, calls, warm=3):
-        """Median milliseconds per call: events around `calls` back-to-back calls, --reps times."""
-        for i in range(warm):
-            fn(i)
-        tc.synchronize()
-        times = []
-        for _ in range(args.reps):
-            s, e = tc.Event(True), tc.Event(True)
-            s.record()
-            for i in range(calls):
-                fn(i)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / calls)
-        return statistics.median(times)
+        return gpu_timing.time_ms(fn, calls, args.reps, warm)
 
     def time_graph_ms(fn, calls):
-        """Median milliseconds per call of `calls` calls captured in one CUDA graph, or None."""
-        try:
-            g = tc.CUDAGraph()
-            with tc.graph(g):
-                for i in range(calls):
-                    fn(i)
-        except Exception as e:  # noqa: BLE001 - report and fall back to eager timing
-            print("    graph capture failed (%s); eager timing only" % e)
-            return None
-        for _ in range(2):
-            g.replay()
-        tc.synchronize()
-        times = []
-        for _ in range(args.reps):
-            s, e = tc.Event(True), tc.Event(True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / calls)
-        return statistics.median(times)
+        return gpu_timing.time_graph_ms(fn, calls, args.reps)
 
     # ---- copy bandwidth ----------------------------------------------------------------------------
     def measure_copy(n=512 << 20):  # bf16 elements: 1 GiB
