@@ -89,17 +89,6 @@ void check_index(const char* op, const Tensor& t, const char* name, int64_t ndim
   check_dim(op, t, name, ndim);
 }
 
-void check_cache(const char* op, const Tensor& t, const char* name) {
-  check_defined(op, t, name);
-  TALLOW_CHECK_TYPE(t.dtype() == DType::F32 || t.dtype() == DType::F16 || t.dtype() == DType::BF16 ||
-                        t.dtype() == DType::F8E4M3,
-                    op, ": ", name, " must be float32, float16, bfloat16 or float8_e4m3, got ", dtype_name(t.dtype()),
-                    " tensor of shape ", shape_str(t.shape()));
-  TALLOW_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
-               shape_str(t.shape()));
-  TALLOW_CHECK(t.stride(3) == 1 || t.size(3) <= 1, op, ": ", name, " of shape ", shape_str(t.shape()),
-               " and strides ", shape_str(t.strides()), " needs a contiguous last dim");
-}
 
 void check_kv_scale(const char* op, float s, const char* name) {
   TALLOW_CHECK(std::isfinite(s) && s > 0.0f, op, ": ", name, " must be finite and > 0, got ", s);
@@ -652,6 +641,18 @@ void run_paged(const Problem& P, const std::vector<Seq>& seqs) {
 
 }  // namespace
 
+void check_kv_cache(const char* op, const Tensor& t, const char* name) {
+  check_defined(op, t, name);
+  TALLOW_CHECK_TYPE(t.dtype() == DType::F32 || t.dtype() == DType::F16 || t.dtype() == DType::BF16 ||
+                        t.dtype() == DType::F8E4M3,
+                    op, ": ", name, " must be float32, float16, bfloat16 or float8_e4m3, got ", dtype_name(t.dtype()),
+                    " tensor of shape ", shape_str(t.shape()));
+  TALLOW_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+               shape_str(t.shape()));
+  TALLOW_CHECK(t.stride(3) == 1 || t.size(3) <= 1, op, ": ", name, " of shape ", shape_str(t.shape()),
+               " and strides ", shape_str(t.strides()), " needs a contiguous last dim");
+}
+
 void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                        const Tensor& slot_mapping, float k_scale, float v_scale) {
   const char* op = "reshape_and_cache";
@@ -659,8 +660,8 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
   check_defined(op, v, "v");
   check_float(op, k, "k");
   check_float(op, v, "v");
-  check_cache(op, k_cache, "k_cache");
-  check_cache(op, v_cache, "v_cache");
+  check_kv_cache(op, k_cache, "k_cache");
+  check_kv_cache(op, v_cache, "v_cache");
   check_index(op, slot_mapping, "slot_mapping", 1);
   TALLOW_CHECK(k.dim() == 3 && v.dim() == 3, op, ": k and v must be 3-D [T, num_kv_heads, head_dim], got k",
                shape_str(k.shape()), " v", shape_str(v.shape()));
@@ -706,8 +707,8 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
   check_defined(op, q_in, "q");
   check_float(op, q_in, "q");
   check_dim(op, q_in, "q", 3);
-  check_cache(op, k_cache, "k_cache");
-  check_cache(op, v_cache, "v_cache");
+  check_kv_cache(op, k_cache, "k_cache");
+  check_kv_cache(op, v_cache, "v_cache");
   check_same_dtype(op, k_cache, "k_cache", v_cache, "v_cache");
   check_index(op, block_tables, "block_tables", 2);
   check_index(op, seq_lens, "seq_lens", 1);

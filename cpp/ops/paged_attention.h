@@ -52,6 +52,11 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
 // cache of q's dtype or fp8 runs the split-KV decode kernel (cuda/attention/decode.cu); other
 // batches the tensor-core prefill kernel (cuda/attention/prefill.cu); anything those two do not
 // support a simple warp-per-query kernel. i64 indices are cast to i32 on the device.
+// Checks that `t` can be a layer's cache: float32/float16/bfloat16/float8_e4m3, 4-D [num_blocks,
+// block_size, num_kv_heads, head_dim] with a contiguous last dim; raises naming `op` and `name`.
+// (Shared with the ops that write caches, e.g. rope_and_cache.)
+void check_kv_cache(const char* op, const Tensor& t, const char* name);
+
 Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale,
                        int64_t sliding_window = 0, float softcap = 0.0f, const std::optional<Tensor>& out = {},

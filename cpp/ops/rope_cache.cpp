@@ -31,17 +31,6 @@ void check_heads(const char* op, const Tensor& t, const char* name, int64_t T) {
                shape_str(t.strides()), " is updated in place and needs a contiguous last dim");
 }
 
-void check_cache(const char* op, const Tensor& t, const char* name) {
-  check_defined(op, t, name);
-  TALLOW_CHECK_TYPE(t.dtype() == DType::F32 || t.dtype() == DType::F16 || t.dtype() == DType::BF16 ||
-                        t.dtype() == DType::F8E4M3,
-                    op, ": ", name, " must be float32, float16, bfloat16 or float8_e4m3, got ", dtype_name(t.dtype()),
-                    " tensor of shape ", shape_str(t.shape()));
-  TALLOW_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
-               shape_str(t.shape()));
-  TALLOW_CHECK(t.stride(3) == 1 || t.size(3) <= 1, op, ": ", name, " of shape ", shape_str(t.shape()),
-               " and strides ", shape_str(t.strides()), " needs a contiguous last dim");
-}
 
 int64_t index_at(const Tensor& t, int64_t i) {
   return t.dtype() == DType::I32 ? (int64_t)t.data<int32_t>()[i * t.stride(0)] : t.data<int64_t>()[i * t.stride(0)];
@@ -97,8 +86,8 @@ void rope_and_cache(const Tensor& positions, const Tensor& q_in, const Tensor& k
     TALLOW_CHECK(std::isfinite(norm_eps) && norm_eps >= 0.0f, op, ": norm_eps must be finite and >= 0, got ", norm_eps);
   }
 
-  check_cache(op, k_cache, "k_cache");
-  check_cache(op, v_cache, "v_cache");
+  check_kv_cache(op, k_cache, "k_cache");
+  check_kv_cache(op, v_cache, "v_cache");
   TALLOW_CHECK(k_cache.size(2) == Hk && k_cache.size(3) == D, op, ": k", shape_str(k_in.shape()),
                " does not match k_cache", shape_str(k_cache.shape()), " (num_kv_heads and head_dim must agree)");
   TALLOW_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == Hk &&
