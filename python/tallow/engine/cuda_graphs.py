@@ -41,15 +41,12 @@ class DecodeGraphs:
                 run(bs)
             g = cuda.CUDAGraph()
             with cuda.stream(self.stream):
-                with cuda.graph(g, pool=self.pool, stream=self.stream_for_capture()):
+                # Captured on the engine's stream, so the recorded work is ordered with the eager steps.
+                with cuda.graph(g, pool=self.pool, stream=self.stream):
                     logits = run(bs)
             self.graphs[bs] = (g, logits)
         self.stream.synchronize()
         self.sizes = sorted(self.graphs)
-
-    def stream_for_capture(self):
-        # Capture on the engine's stream so the recorded work is ordered with the eager steps.
-        return self.stream
 
     def bucket(self, batch: int) -> Optional[int]:
         for s in self.sizes:

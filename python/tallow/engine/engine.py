@@ -315,7 +315,7 @@ class LLMEngine:
         are read back, and the outputs returned are step n-1's. A request whose newest token is still
         on the device holds -(row + 1) in its output ids; the runner fills that token in on the device.
         Penalised requests need their full history on the host, so a step after one sampling them waits."""
-        with self.runner._on_stream():  # every op of the step (model, sampling, copies) on one stream
+        with self.runner.on_stream():  # every op of the step (model, sampling, copies) on one stream
             if not self.overlap:
                 return self._step_sync()
             return self._step_overlapped()
@@ -532,7 +532,7 @@ class LLMEngine:
         try:
             table = np.asarray([b.block_id for b in blocks], dtype=np.int64)
             pos = np.arange(n, dtype=np.int64)
-            with r._on_stream():
+            with r.on_stream():
                 meta = AttentionMetadata(
                     slot_mapping=r.tensor(table[pos // bs] * bs + pos % bs),
                     block_tables=r.tensor(table.astype(np.int32)[None, :]),

@@ -44,7 +44,7 @@ class ModelRunner:
 
             self.stream = cuda.Stream(tallow.Device(device).index)
             cuda.set_index_checks(False)  # the runner builds every index itself; checks would sync
-        with self._on_stream():
+        with self.on_stream():
             self.inputs = StepInputs(self.max_num_tokens, max_num_seqs, self.width, device)
             # The previous step's sampled ids, on the device: rows whose token the host does not know
             # yet (overlapped scheduling) read theirs from here (ops.fill_from_previous_).
@@ -62,12 +62,13 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model.cfg
         shape = [num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim]
-        with self._on_stream():
+        with self.on_stream():
             self.kv_caches = [(tallow.empty(shape, self.kv_dtype, self.device),
                                tallow.empty(shape, self.kv_dtype, self.device))
                               for _ in range(cfg.num_hidden_layers)]
 
-    def _on_stream(self):
+    def on_stream(self):
+        """A context in which the runner's stream is the thread's current one (no-op on the CPU)."""
         import contextlib
 
         if self.stream is None:
@@ -137,7 +138,7 @@ class ModelRunner:
         inp = self.inputs
         rows = [last_row[r.request_id] for r in sample_reqs]
         decode_only = num_tokens == num_seqs and len(rows) == num_seqs and rows == list(range(num_seqs))
-        with self._on_stream():
+        with self.on_stream():
             bucket = self.graphs.bucket(num_seqs) if (self.graphs_enabled and decode_only) else None
             if bucket is not None:
                 inp.fill_padding(num_seqs, bucket, num_tokens)
@@ -160,7 +161,7 @@ class ModelRunner:
     def keep_sampled(self, ids: tallow.Tensor) -> None:
         """Remember this step's sampled ids [B] on the device for the next step's unknown tokens."""
         if self.prev_ids is not None and ids.shape[0]:
-            with self._on_stream():
+            with self.on_stream():
                 self.prev_ids.narrow(0, 0, ids.shape[0]).copy_(ids)
 
     # -- CUDA graphs ------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class ModelRunner:
         b = len(seq_lens)
         inp.rows[:b] = inp.qsl[1:b + 1] - 1
         try:
-            with self._on_stream():
+            with self.on_stream():
                 inp.upload(b)
                 self._forward(t, b, b, t == b)
             self.stream.synchronize()
