@@ -93,6 +93,7 @@ struct DecodeParams {
   const void* k;
   const void* v;
   int64_t ksb, ksr, ksh, vsb, vsr, vsh;  // cache strides of block, row, head (elements)
+  int ksr32, vsr32;                      // the row strides again (they fit: checked by the host)
   const int32_t* bt;
   int64_t bt_s0, bt_s1;
   const int32_t* seq_lens;
@@ -154,6 +155,7 @@ struct Shape_ {
   static constexpr int RS = (RB + 127) / 128 * 128;   // its stride in a slot (whole swizzle groups)
   static constexpr int TPS = RS <= 256 ? 256 / RS : 1;  // mma tiles per chunk: ~8 KiB slots
   static constexpr int KEYS = kTile * TPS;            // keys per chunk (<= 32: one ballot)
+  static constexpr int KEYS_SHIFT = KEYS == 32 ? 5 : 4;  // log2(KEYS)
   static constexpr int PPR = RB / 16;                 // 16-byte pieces of a row
   static constexpr int PIECES = KEYS * PPR;           // pieces of K (and of V) per chunk
   static constexpr int SLOT = 2 * KEYS * RS;          // bytes of one pipeline slot
@@ -387,26 +389,85 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
       };
       auto chunk_start = [&](int c) { return k0 + (int64_t)(warp + c * kWarps) * KEYS; };
-      auto issue = [&](int c) {  // chunk c of this warp into slot c % stages (one commit group)
+      // Chunk c of this warp into pipeline slot `slot` (one commit group). Fast paths (warp-uniform):
+      // the chunk starts a cache block and lies in it (blocks of >= KEYS rows), or spans two whole
+      // blocks of KEYS / 2 rows: one or two block ids (broadcast reads of s_tbl), rows that follow
+      // each other, so a piece's address is its block's plus a 32-bit offset. Else every key
+      // resolves its own block (lane kk of the warp resolves key kk, the others read it with
+      // shuffles). Offsets of keys past the range or of bad blocks are never read (cp.async with
+      // source size 0 reads nothing).
+      auto issue = [&](int c, int slot) {
         if (c < nmine) {
-          unsigned char* ks = wslots + (c % stages) * S::SLOT;
+          unsigned char* ks = wslots + slot * S::SLOT;
           unsigned char* vs = ks + KEYS * RS;
-          int my_id, my_row;
-          resolve(chunk_start(c), my_id, my_row);
+          const int64_t c0 = chunk_start(c);
+          const int nvalid = k1 - c0 < KEYS ? (int)(k1 - c0) : KEYS;
+          const int64_t j = (c0 >> P.bs_shift) - first;
+          auto block_ptrs = [&](int64_t jj, int row0, const unsigned char*& kb, const unsigned char*& vb) {
+            const int id = jj < ntb ? s_tbl[jj] : -1;
+            kb = reinterpret_cast<const unsigned char*>(kbase) + ((int64_t)id * P.ksb + (int64_t)row0 * P.ksr) * E;
+            vb = reinterpret_cast<const unsigned char*>(vbase) + ((int64_t)id * P.vsb + (int64_t)row0 * P.vsr) * E;
+            return id >= 0;
+          };
+          if (P.bs_shift >= S::KEYS_SHIFT && (c0 & (KEYS - 1)) == 0) {  // one block
+            const unsigned char *kb, *vb;
+            const bool blk_ok = block_ptrs(j, (int)(c0 & row_mask), kb, vb);
+            if constexpr (32 % PPR == 0) {  // a lane keeps its piece; its key advances by 32 / PPR a step
+              constexpr int KSTEP = 32 / PPR;
+              const int kk0 = lane / PPR, piece = lane % PPR;
+              const int koff = (kk0 * P.ksr32 + piece * (16 / E)) * E, kstep = KSTEP * P.ksr32 * E;
+              const int voff = (kk0 * P.vsr32 + piece * (16 / E)) * E, vstep = KSTEP * P.vsr32 * E;
 #pragma unroll
-          for (int it = 0; it < S::PIECES / 32; ++it) {
-            const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
-            const int id = __shfl_sync(0xffffffffu, my_id, kk), row = __shfl_sync(0xffffffffu, my_row, kk);
-            const bool ok = id >= 0;
-            const C* ksrc = ok ? kbase + (int64_t)id * P.ksb + (int64_t)row * P.ksr + piece * (16 / E) : kbase;
-            const C* vsrc = ok ? vbase + (int64_t)id * P.vsb + (int64_t)row * P.vsr + piece * (16 / E) : vbase;
-            cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)), ksrc, ok);
-            cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)), vsrc, ok);
+              for (int it = 0; it < S::PIECES / 32; ++it) {
+                const int kk = kk0 + KSTEP * it;
+                const bool ok = blk_ok && kk < nvalid;
+                cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)), kb + koff + it * kstep, ok);
+                cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)), vb + voff + it * vstep,
+                           ok);
+              }
+            } else {
+#pragma unroll
+              for (int it = 0; it < S::PIECES / 32; ++it) {
+                const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+                const bool ok = blk_ok && kk < nvalid;
+                cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)),
+                           kb + (kk * P.ksr32 + piece * (16 / E)) * E, ok);
+                cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)),
+                           vb + (kk * P.vsr32 + piece * (16 / E)) * E, ok);
+              }
+            }
+          } else if (P.bs_shift == S::KEYS_SHIFT - 1 && (c0 & (KEYS / 2 - 1)) == 0) {  // two blocks
+            const unsigned char *kb0, *vb0, *kb1, *vb1;
+            const bool ok0 = block_ptrs(j, 0, kb0, vb0), ok1 = block_ptrs(j + 1, 0, kb1, vb1);
+#pragma unroll
+            for (int it = 0; it < S::PIECES / 32; ++it) {
+              const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+              const bool hi = kk >= KEYS / 2;
+              const int row = hi ? kk - KEYS / 2 : kk;
+              const bool ok = (hi ? ok1 : ok0) && kk < nvalid;
+              cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)),
+                         (hi ? kb1 : kb0) + (row * P.ksr32 + piece * (16 / E)) * E, ok);
+              cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)),
+                         (hi ? vb1 : vb0) + (row * P.vsr32 + piece * (16 / E)) * E, ok);
+            }
+          } else {  // any layout
+            int my_id, my_row;
+            resolve(c0, my_id, my_row);
+#pragma unroll
+            for (int it = 0; it < S::PIECES / 32; ++it) {
+              const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+              const int id = __shfl_sync(0xffffffffu, my_id, kk), row = __shfl_sync(0xffffffffu, my_row, kk);
+              const bool ok = id >= 0;
+              const C* ksrc = ok ? kbase + (int64_t)id * P.ksb + (int64_t)row * P.ksr + piece * (16 / E) : kbase;
+              const C* vsrc = ok ? vbase + (int64_t)id * P.vsb + (int64_t)row * P.vsr + piece * (16 / E) : vbase;
+              cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)), ksrc, ok);
+              cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)), vsrc, ok);
+            }
           }
         }
         cp_async_commit();
       };
-      for (int c = 0; c < stages - 1; ++c) issue(c);
+      for (int c = 0; c < stages - 1; ++c) issue(c, c);
 
       // Q rows as A fragments (after the wait: q is the previous kernel's output). Warp w stages
       // rows w, w + 4, ...; rows past G are zeros.
@@ -464,16 +525,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       for (int v = 0; v < NV; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
       float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
 
+      // Slots in a ring, advanced by one a chunk (no runtime modulo): chunk c is in slot `cur`,
+      // chunk c + stages - 1 goes to `nxt`.
+      int cur = 0, nxt = stages - 1;
       for (int c = 0; c < nmine; ++c) {
         __syncwarp();        // every lane is done with the slot chunk c - 1 used
-        issue(c + stages - 1);
+        issue(c + stages - 1, nxt);
+        nxt = nxt + 1 == stages ? 0 : nxt + 1;
         cp_async_wait_pending(stages - 1);  // this lane's copies of chunk c have landed
         __syncwarp();        // ... and every lane's
         int id, row;
         resolve(chunk_start(c), id, row);
         const uint32_t valid = __ballot_sync(0xffffffffu, id >= 0);  // bit kk: key kk of the chunk is read
-        const unsigned char* ks = wslots + (c % stages) * S::SLOT;
+        const unsigned char* ks = wslots + cur * S::SLOT;
         const unsigned char* vs = ks + KEYS * RS;
+        cur = cur + 1 == stages ? 0 : cur + 1;
 
 #pragma unroll
         for (int tile = 0; tile < TPS; ++tile) {
@@ -538,12 +604,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
           l1 = l1 * c1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
           const uint32_t a[4] = {pack2<MT>(p[0][0], p[0][1]), pack2<MT>(p[0][2], p[0][3]),
                                  pack2<MT>(p[1][0], p[1][1]), pack2<MT>(p[1][2], p[1][3])};
+          if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {  // a row's max rose (rare after the first keys)
 #pragma unroll
-          for (int v = 0; v < NV; ++v) {
-            o[v][0] *= c0;
-            o[v][1] *= c0;
-            o[v][2] *= c1;
-            o[v][3] *= c1;
+            for (int v = 0; v < NV; ++v) {
+              o[v][0] *= c0;
+              o[v][1] *= c0;
+              o[v][2] *= c1;
+              o[v][3] *= c1;
+            }
           }
 
           // O += P V: keys 16 tile + 2 t + (j & 1) + 8 (j >> 1), one segment of values at a time.
@@ -925,6 +993,7 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   if (!rows_aligned(k_cache) || !rows_aligned(v_cache) || !aligned_to(out.data_ptr(), 16) || !out.is_contiguous())
     return false;
   if (q.stride(2) != 1 && D > 1) return false;
+  if (k_cache.stride(1) > INT32_MAX / BS || v_cache.stride(1) > INT32_MAX / BS) return false;  // ksr32, vsr32
   if (compute_major() < 8) return false;
 
   int bs_shift = 0;
@@ -945,6 +1014,7 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   P.v = v_cache.data_ptr();
   P.ksb = k_cache.stride(0), P.ksr = k_cache.stride(1), P.ksh = k_cache.stride(2);
   P.vsb = v_cache.stride(0), P.vsr = v_cache.stride(1), P.vsh = v_cache.stride(2);
+  P.ksr32 = (int)P.ksr, P.vsr32 = (int)P.vsr;
   P.bt = static_cast<const int32_t*>(block_tables.data_ptr());
   P.bt_s0 = block_tables.stride(0);
   P.bt_s1 = block_tables.stride(1);
