@@ -383,6 +383,84 @@ Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   return linear(y, w, bias, o);
 }
 
+// ---- fused_linear (ops/fused_linear.h): the decode-shaped cases as one GEMV; nullopt / false sends
+// the caller to the composition. TALLOW_GEMV_FUSION=0 turns both off (A/B measurements).
+namespace {
+bool gemv_fusion_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALLOW_GEMV_FUSION");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+bool bias_fits(const std::optional<Tensor>& bias, const Tensor& x) {
+  return !(bias && bias->defined()) || (bias->dtype() == x.dtype() && bias->device() == x.device());
+}
+}  // namespace
+
+std::optional<Tensor> rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, float w_add, const Tensor& w,
+                                      const std::optional<Tensor>& bias) {
+  const int64_t K = x.size(-1), N = w.size(0);
+  const int64_t M = K ? x.numel() / K : 0;
+  if (!gemv_fusion_on() || M < 1 || M > gemv_norm_max_m() || M > skinny_max_m() || !bias_fits(bias, x)) return std::nullopt;
+  if (!norm_w.is_contiguous() || !aligned_to(norm_w.data_ptr(), 16)) return std::nullopt;
+  const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
+  Shape oshape = x.shape();
+  oshape.back() = N;
+  Tensor o = Tensor::empty(oshape, x.dtype(), x.device());
+  const Tensor o2 = o.view({M, N});
+  if (!skinny_ok(x2, w, o2, M, K)) return std::nullopt;
+  OpContext ctx(x);
+  const bool hb = bias && bias->defined();
+  const Tensor bc = hb ? contiguous(*bias) : Tensor();
+  GemvFusion f;
+  f.norm_w = norm_w.data_ptr();
+  f.eps = eps;
+  f.w_add = w_add;
+  gemv(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
+       o2.data_ptr(), N, N, K, ctx.stream, f);
+  return o;
+}
+
+bool linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const Tensor& residual) {
+  const int64_t K = x.size(-1), N = w.size(0);
+  const int64_t M = K ? x.numel() / K : 0;
+  if (!gemv_fusion_on() || M < 1 || M > skinny_max_m() || !bias_fits(bias, x)) return false;
+  const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
+  const Tensor r2 = residual.view({M, N});
+  if (!skinny_ok(x2, w, r2, M, K)) return false;
+  OpContext ctx(x);
+  const bool hb = bias && bias->defined();
+  const Tensor bc = hb ? contiguous(*bias) : Tensor();
+  GemvFusion f;
+  f.residual = r2.data_ptr();
+  f.ldr = N;
+  gemv(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
+       r2.data_ptr(), N, N, K, ctx.stream, f);
+  return true;
+}
+
+bool gated_linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                      const std::string& activation, const Tensor& residual) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t M = x.numel() / (2 * K > 0 ? 2 * K : 1);
+  if (!gemv_fusion_on() || K < 1 || M < 1 || M > skinny_max_m() || x.stride(-1) != 1 || !bias_fits(bias, x)) return false;
+  if (x.dtype() != w.dtype() || x.device() != w.device() || (x.dtype() != DType::F16 && x.dtype() != DType::BF16))
+    return false;
+  const int act = activation == "silu" ? kGemvSilu : (activation == "gelu_tanh" ? kGemvGeluTanh : kGemvGeluErf);
+  const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, 2 * K}) : x.reshape({M, 2 * K}));
+  if (!gemv_gated_supported(x.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(), w.stride(0),
+                            w.stride(1), N))
+    return false;
+  OpContext ctx(x);
+  const bool hb = bias && bias->defined();
+  const Tensor bc = hb ? contiguous(*bias) : Tensor();
+  gemv_gated(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, act, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
+             residual.data_ptr(), N, N, K, ctx.stream, residual.data_ptr(), N);
+  return true;
+}
+
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) {
   const char* op = "matmul";
   const int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);

@@ -47,6 +47,10 @@ struct Args {
   int M, steps, split;           // steps: warp steps per row tile; split: CTAs per row tile (cluster)
   int act;                       // gated mode: GemvAct
   int stage_off;                 // gated mode: the staging area's offset in shared memory, in floats
+  const void* norm_w;            // norm mode (not with gated): x is RMS-normalised with these weights [K]
+  float eps, w_add;              //   x * (1 / rms(x)) * (norm_w + w_add), as rms_norm computes it
+  const void* res;               // residual mode: out = round(round(x w^T + bias) + res), res may be out
+  int64_t ldr;                   //   its row stride
 };
 
 // Weight loads: each byte is read once, so keep it out of L1 and first in line for L2 eviction.
@@ -88,6 +92,63 @@ __device__ __forceinline__ uint2 gated4(uint2 g, uint2 u) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) rv[j] = from_float<T>(act<kAct>(to_float(gv[j])) * to_float(uv[j]));
   return r;
+}
+
+// Norm mode: 8 elements of x as rms_norm writes them: x * inv * (w + w_add), rounded to T.
+template <class T>
+__device__ __forceinline__ uint4 normed8(uint4 x, uint4 w, float inv, float w_add) {
+  const T* xv = reinterpret_cast<const T*>(&x);
+  const T* wv = reinterpret_cast<const T*>(&w);
+  uint4 r;
+  T* rv = reinterpret_cast<T*>(&r);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) rv[j] = from_float<T>(to_float(xv[j]) * inv * (to_float(wv[j]) + w_add));
+  return r;
+}
+
+// Norm mode: 1 / rms of each row m < M (<= kNormMaxM) of x, for this CTA (every CTA computes them:
+// K elements a row from L2, cheaper than a norm kernel's launch). Each thread sums x*x over its
+// 16-byte chunks with FMAs, all rows' loads in flight together; warp trees, then the warps in order.
+constexpr int kNormMaxM = gemv_norm_max_m();
+template <class T>
+__device__ __forceinline__ float sumsq8(uint4 v, float acc) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float f = to_float(e[j]);
+    acc = __fmaf_rn(f, f, acc);
+  }
+  return acc;
+}
+
+template <class T>
+__device__ void row_inv_rms(const Args& a, float* part, float* inv_out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float ss[kNormMaxM];
+#pragma unroll
+  for (int m = 0; m < kNormMaxM; ++m) ss[m] = 0.f;
+  for (int64_t c = threadIdx.x; c < a.K8; c += blockDim.x) {
+    uint4 v[kNormMaxM];
+#pragma unroll
+    for (int m = 0; m < kNormMaxM; ++m)
+      if (m < a.M) v[m] = load_x(reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + m * a.ldx) + c);
+#pragma unroll
+    for (int m = 0; m < kNormMaxM; ++m)
+      if (m < a.M) ss[m] = sumsq8<T>(v[m], ss[m]);
+  }
+#pragma unroll
+  for (int m = 0; m < kNormMaxM; ++m) {
+    if (m >= a.M) break;
+    const float t = warp_sum(ss[m]);
+    if (lane == 0) part[warp * kNormMaxM + m] = t;
+  }
+  __syncthreads();
+  if (threadIdx.x < a.M) {
+    float t = 0.f;
+    for (int w = 0; w < nwarps; ++w) t += part[w * kNormMaxM + threadIdx.x];
+    inv_out[threadIdx.x] = 1.0f / sqrtf(t / (float)(a.K8 * 8) + a.eps);
+  }
+  __syncthreads();
 }
 
 // c += A * B for one m16n8k16 tile: A rows g / g + 8 in a0, a2 / a1, a3; B column g in b0, b1.
@@ -230,6 +291,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
     xp[n] = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + (int64_t)(xon[n] ? m : 0) * a.ldx) + q;
   }
 
+  // Norm mode: this lane's tokens' 1 / rms (the reduction space, `red`, is free again afterwards).
+  float xinv[NT];
+  const uint4* nwp = nullptr;
+  if constexpr (!G) {
+    if (a.norm_w) {
+      grid_dep_wait();  // x is the previous kernel's output
+      row_inv_rms<T>(a, red, red + kMaxWarps * kNormMaxM);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) xinv[n] = xon[n] ? red[kMaxWarps * kNormMaxM + 8 * n + g] : 0.f;
+      __syncthreads();
+      nwp = reinterpret_cast<const uint4*>(a.norm_w) + q;
+    }
+  }
+
   float acc[RT][NT][4];
 #pragma unroll
   for (int t = 0; t < RT; ++t)
@@ -282,6 +357,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
         else
           xv[n] = xon[n] && in ? load_x(xp[n] + c0 + 4 * j) : zero;
       }
+      if constexpr (!G) {
+        if (nwp) {  // norm mode (uniform)
+          const uint4 wn = in ? load_x(nwp + c0 + 4 * j) : zero;
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+            if (xon[n] && in) xv[n] = normed8<T>(xv[n], wn, xinv[n], a.w_add);
+        }
+      }
 #pragma unroll
       for (int t = 0; t < RT; ++t)
 #pragma unroll
@@ -309,6 +392,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
     const int64_t n = row0 + i % ROWS;
     if (n >= a.N) return;
     if (a.bias) s += to_float(static_cast<const T*>(a.bias)[n]);
+    if (a.res)  // residual mode: the product rounded as linear rounds it, then the add as add rounds it
+      s = to_float(from_float<T>(s)) + to_float(static_cast<const T*>(a.res)[(int64_t)(i / ROWS) * a.ldr + n]);
     static_cast<T*>(a.out)[(int64_t)(i / ROWS) * a.ldo + n] = from_float<T>(s);
   };
   // The CTA's sum, warps in order. With a cluster, output i is finished by rank i / chunk: each CTA
@@ -564,10 +649,12 @@ bool gemv_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, in
 }
 
 void gemv(DType dt, const void* x, int64_t ldx, int M, const void* w, int64_t ldw, const void* bias, void* out,
-          int64_t ldo, int64_t N, int64_t K, void* stream) {
+          int64_t ldo, int64_t N, int64_t K, void* stream, const GemvFusion& f) {
+  TALLOW_CHECK(!f.norm_w || M <= kNormMaxM, "linear: the fused RMSNorm takes at most ", kNormMaxM, " rows, got ", M);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Launch L = choose_for(M, N, K, s);
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, 0, 0};
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, 0, 0,
+         f.norm_w, f.eps, f.w_add, f.residual, f.ldr};
   if (dt == DType::BF16) launch_typed<__nv_bfloat16, false>(L, a, s);
   else launch_typed<__half, false>(L, a, s);
 }
@@ -579,11 +666,12 @@ bool gemv_gated_supported(DType dt, int64_t M, int64_t N, int64_t K, const void*
 }
 
 void gemv_gated(DType dt, const void* x, int64_t ldx, int M, int act, const void* w, int64_t ldw, const void* bias,
-                void* out, int64_t ldo, int64_t N, int64_t K, void* stream) {
+                void* out, int64_t ldo, int64_t N, int64_t K, void* stream, const void* residual, int64_t ldr) {
   TALLOW_CHECK(act == kGemvSilu || act == kGemvGeluTanh || act == kGemvGeluErf, "gated_linear: bad activation ", act);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Launch L = choose_for(M, N, K, s);
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, act, 0};
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, act, 0,
+         nullptr, 0.f, 0.f, residual, ldr};
   if (dt == DType::BF16) launch_typed<__nv_bfloat16, true>(L, a, s);
   else launch_typed<__half, true>(L, a, s);
 }

@@ -41,6 +41,12 @@ Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
 Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::string& activation, const std::optional<Tensor>& out);
+// fused_linear (ops/fused_linear.h), decode shapes only: nullopt / false where the caller composes.
+std::optional<Tensor> rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, float w_add, const Tensor& w,
+                                      const std::optional<Tensor>& bias);
+bool linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const Tensor& residual);
+bool gated_linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                      const std::string& activation, const Tensor& residual);
 // Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 16;
 // TALLOW_SKINNY_MAX_M sets it at start; 0 turns the skinny kernel off).
 int skinny_max_m();

@@ -76,6 +76,8 @@ constexpr int kMaxGroup = 16;      // query heads per kv head (the mma's 16 rows
 constexpr int kMaxTable = 1024;    // block ids of one split in shared memory
 constexpr int kMaxSplits = 256;    // splits per (token, kv head); bounds the merge's shared memory
 constexpr int kDefaultMinSplit = 256;
+constexpr int kFewRowsMinSplit = 64;     // see launch()
+constexpr int kManyRowsMinSplit = 1024;  // see launch()
 constexpr int kDefaultStages = 3;
 constexpr int kMaxStages = 4;
 constexpr int64_t kCtaOverheadKeys = 128;          // a CTA's fixed cost, in keys streamed (split planning)
@@ -920,6 +922,15 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
                                   std::max<int64_t>(1, kMaxPartialBytes / per_split));
   if (n < 1) return false;  // a long context over a huge batch: the scratch would not be small
   P.nsplit = (int)n;
+  // Few (token, kv head) rows leave most SMs idle with one split per row: there a sequence cuts its
+  // range into splits of kFewRowsMinSplit keys (still at most n), so a short context spreads over
+  // more CTAs, each with a short serial chain (B = 1, 256 keys: 4 CTAs a head, not 1).
+  // Many rows (a large batch) already give every SM several CTAs: there a sequence splits only past
+  // kManyRowsMinSplit keys, sparing the split merge.
+  if (!std::getenv("TALLOW_DECODE_MIN_SPLIT")) {
+    if (rows < sm_count()) P.min_split = std::min<int>(P.min_split, kFewRowsMinSplit);
+    else if (rows >= 4LL * sm_count()) P.min_split = std::max<int>(P.min_split, kManyRowsMinSplit);
+  }
   P.stages = fit.stages;
   Tensor scratch, counters;
   if (n > 1) {

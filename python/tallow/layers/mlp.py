@@ -54,6 +54,11 @@ class GatedMLP:
             gate_up_bias = concat_rows([gb, ub]) if gb is not None and ub is not None else None
         return cls(gate_up, need("down_proj.weight"), act, gate_up_bias, get("down_proj.bias"))
 
-    def __call__(self, x: tallow.Tensor) -> tallow.Tensor:
-        y = ops.linear(x, self.gate_up, self.gate_up_bias)
+    def __call__(self, x: tallow.Tensor, norm=None, residual: Optional[tallow.Tensor] = None) -> tallow.Tensor:
+        """mlp(x). With `norm` (an RMSNorm), x is normalised first (folded into gate_up); with
+        `residual`, the output is added to it in place (folded into down) and residual is returned."""
+        y = norm.linear(x, self.gate_up, self.gate_up_bias) if norm is not None else \
+            ops.linear(x, self.gate_up, self.gate_up_bias)
+        if residual is not None:
+            return ops.gated_linear_add(y, self.down, self.down_bias, self.gated_activation, residual)
         return ops.gated_linear(y, self.down, self.down_bias, activation=self.gated_activation)

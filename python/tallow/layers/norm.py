@@ -29,6 +29,10 @@ class RMSNorm:
     def add_norm(self, x: tallow.Tensor, residual: tallow.Tensor) -> tuple[tallow.Tensor, tallow.Tensor]:
         return ops.fused_add_rms_norm(x, residual, self.w, self.eps, self.gemma_offset), residual
 
+    def linear(self, x: tallow.Tensor, w: tallow.Tensor, bias: Optional[tallow.Tensor] = None) -> tallow.Tensor:
+        """linear(self(x), w, bias): one GEMV on CUDA for decode shapes (ops.rms_norm_linear)."""
+        return ops.rms_norm_linear(x, self.w, self.eps, self.gemma_offset, w, bias)
+
 
 class LayerNorm:
     """(x - mean) / sqrt(var + eps) * w + b (w and b optional). A 2-D w [H, D] is a per-head norm of

@@ -72,8 +72,12 @@ class SelfAttention:
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, cfg.attention_scale,
                                    cfg.sliding_window_for_layer(layer), cfg.attn_logit_softcapping)
 
-    def __call__(self, x: tallow.Tensor, kv_cache, ctx: StepContext) -> tallow.Tensor:
-        qkv = ops.linear(x, self.qkv, self.qkv_bias)
+    def __call__(self, x: tallow.Tensor, kv_cache, ctx: StepContext, norm: Optional[RMSNorm] = None,
+                 residual: Optional[tallow.Tensor] = None) -> tallow.Tensor:
+        """attention(x) through o_proj. With `norm`, x is normalised first (folded into the qkv
+        projection); with `residual`, the output is added to it in place (folded into o_proj) and
+        residual is returned."""
+        qkv = norm.linear(x, self.qkv, self.qkv_bias) if norm is not None else ops.linear(x, self.qkv, self.qkv_bias)
         d = self.head_dim
         q, k, v = (heads_view(t, n // d, d) for t, n in zip(split_last(qkv, self.sizes), self.sizes))
         cos_sin, rows = ctx.rope[self.rope_index]
@@ -91,4 +95,7 @@ class SelfAttention:
             if ctx.q_scale is not None:
                 q = ops.mul(q, ctx.q_scale)
             a = self.attn(q, k, v, kv_cache, ctx.meta)
-        return ops.linear(a.view(a.shape[0], -1), self.o, self.o_bias)
+        a = a.view(a.shape[0], -1)
+        if residual is not None:
+            return ops.linear_add(a, self.o, self.o_bias, residual)
+        return ops.linear(a, self.o, self.o_bias)
