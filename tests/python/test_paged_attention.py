@@ -634,10 +634,12 @@ def test_cuda_decode_graph_replays_many_splits(rng, monkeypatch, fp8):
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
-    """Contexts up to the minimum split length (default 256 keys) run as one split per sequence (no
-    partials, output written directly) although the grid, planned for tables padded to 4096+ tokens
-    as in a captured step, has many: bitwise the result of a one-split grid. Forcing 16-key splits
-    gives the same values within the bound."""
+    """Contexts up to the minimum split length (pinned here at 256 keys; by default a launch with few
+    (token, kv head) rows splits from 64 keys, one with many from 1024) run as one split per sequence
+    (no partials, output written directly) although the grid, planned for tables padded to 4096+
+    tokens as in a captured step, has many: bitwise the result of a one-split grid. Forcing 16-key
+    splits gives the same values within the bound."""
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "256")
     lens = np.array([1, 2, 15, 16, 17, 100, 130, 255, 256])
     scales = (0.05, 0.05) if fp8 else (1.0, 1.0)
     dev, ref = decode_case(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, pad_cols=256, scales=scales)
