@@ -284,20 +284,29 @@ __device__ __forceinline__ void visible_keys(const DecodeParams& P, int64_t len,
 
 // Keys per split of a visible range: ceil(range / min_split) splits, at most nsplit, each a
 // multiple of kTile keys long.
+// 32-bit unsigned arithmetic (ranges stay below 2^30 keys: the host checks the table's width), as
+// 64-bit divisions by runtime values cost a software routine on the latency-bound prologue.
 __device__ __forceinline__ int64_t split_len(const DecodeParams& P, int64_t range) {
-  int64_t n = (range + P.min_split - 1) / P.min_split;
-  n = n < 1 ? 1 : (n > P.nsplit ? P.nsplit : n);
-  const int64_t len = (range + n - 1) / n;
+  const uint32_t r = (uint32_t)range, ms = (uint32_t)P.min_split;
+  uint32_t n = (r + ms - 1) / ms;
+  n = n < 1 ? 1 : (n > (uint32_t)P.nsplit ? (uint32_t)P.nsplit : n);
+  const uint32_t len = (r + n - 1) / n;
   return len < kTile ? kTile : (len + kTile - 1) / kTile * kTile;
 }
 
 __device__ __forceinline__ int64_t num_splits(int64_t range, int64_t slen) {
-  return range > 0 ? (range + slen - 1) / slen : 1;
+  return range > 0 ? ((uint32_t)range + (uint32_t)slen - 1) / (uint32_t)slen : 1;
 }
 
 // The 32-bit word of s_q (A fragments, [k-step][lane][4]) that holds q elements (d, d + 1) of row r.
 template <int NKT, int KMAXG>
 __device__ __forceinline__ int q_word(int d, int r) {
+  if constexpr (NKT % KMAXG == 0) {  // every group has KMAXG k-steps (D = 64, 128, 256): shifts and masks
+    constexpr int GW = 16 * KMAXG;     // head-dim elements of a group
+    const int kt0 = d / GW * KMAXG, local = d % GW, t = local / (4 * KMAXG), rem = local % (4 * KMAXG);
+    const int kt = kt0 + rem / 4, upper = (rem & 3) >> 1;
+    return (kt * 32 + (r & 7) * 4 + t) * 4 + (r >> 3) + 2 * upper;
+  }
   int kt0 = 0, gs = greedy_group(NKT, KMAXG, 0);
   while (d >= 16 * (kt0 + gs)) {
     kt0 += gs;
@@ -1014,6 +1023,7 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   int64_t min_split = env_int("TALLOW_DECODE_MIN_SPLIT", kDefaultMinSplit);
   min_split = std::clamp<int64_t>(min_split / kTile * kTile, kTile, split_cap);
   if (ceil_div(maxctx, split_cap) > kMaxSplits) return false;  // contexts past ~kMaxSplits * split_cap
+  if (maxctx >= (int64_t(1) << 30)) return false;                // 32-bit split arithmetic on the device
 
   const bool f8 = cd == DType::F8E4M3;
   const float qk_scale = f8 ? scale * k_scale : scale;
