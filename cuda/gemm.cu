@@ -397,6 +397,17 @@ bool gemv_fusion_on() {
 bool bias_fits(const std::optional<Tensor>& bias, const Tensor& x) {
   return !(bias && bias->defined()) || (bias->dtype() == x.dtype() && bias->device() == x.device());
 }
+
+// o2[M, N] = x2[M, K] w^T (+ bias) through gemv with `f` folded in (the caller checked skinny_ok).
+void fused_gemv(const Tensor& x2, const Tensor& w, const std::optional<Tensor>& bias, const Tensor& o2,
+                const GemvFusion& f) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
+  OpContext ctx(x2);
+  const bool hb = bias && bias->defined();
+  const Tensor bc = hb ? contiguous(*bias) : Tensor();
+  gemv(x2.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
+       o2.data_ptr(), N, N, K, ctx.stream, f);
+}
 }  // namespace
 
 std::optional<Tensor> rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, float w_add, const Tensor& w,
@@ -411,15 +422,11 @@ std::optional<Tensor> rms_norm_linear(const Tensor& x, const Tensor& norm_w, flo
   Tensor o = Tensor::empty(oshape, x.dtype(), x.device());
   const Tensor o2 = o.view({M, N});
   if (!skinny_ok(x2, w, o2, M, K)) return std::nullopt;
-  OpContext ctx(x);
-  const bool hb = bias && bias->defined();
-  const Tensor bc = hb ? contiguous(*bias) : Tensor();
   GemvFusion f;
   f.norm_w = norm_w.data_ptr();
   f.eps = eps;
   f.w_add = w_add;
-  gemv(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
-       o2.data_ptr(), N, N, K, ctx.stream, f);
+  fused_gemv(x2, w, bias, o2, f);
   return o;
 }
 
@@ -430,14 +437,10 @@ bool linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b
   const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
   const Tensor r2 = residual.view({M, N});
   if (!skinny_ok(x2, w, r2, M, K)) return false;
-  OpContext ctx(x);
-  const bool hb = bias && bias->defined();
-  const Tensor bc = hb ? contiguous(*bias) : Tensor();
   GemvFusion f;
   f.residual = r2.data_ptr();
   f.ldr = N;
-  gemv(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
-       r2.data_ptr(), N, N, K, ctx.stream, f);
+  fused_gemv(x2, w, bias, r2, f);
   return true;
 }
 

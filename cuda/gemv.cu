@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "activation.cuh"
+#include "cluster.cuh"
 #include "common.cuh"
 #include "launch.cuh"
 
@@ -183,34 +184,6 @@ __device__ __forceinline__ void mma_chunk(float (&c)[4], const uint4& lo, const 
 // go before pdl_wait; x, bias and out come after it.
 __device__ __forceinline__ void grid_dep_wait() { pdl_wait(); }
 __device__ __forceinline__ void grid_dep_launch_dependents() { pdl_launch_dependents(); }
-
-// Thread-block cluster barrier halves (sm_90+; the host uses clusters only there). "arrive.relaxed" at
-// the start and its "wait" before the first remote store guarantee every CTA of the cluster runs (its
-// shared memory exists) at no cost; the release/acquire pair publishes the remote stores.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-// *p (in this CTA's shared memory) = v, in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ void store_remote(float* p, int rank, float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-#endif
-}
 
 // Gated mode: a warp's staging row (one token, one step) in bytes. 64 mod 128 keeps the fragment
 // reads conflict-free (the 8 lanes of a 16-byte phase: 2 tokens x 4 chunks on distinct banks).

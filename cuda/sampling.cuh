@@ -5,6 +5,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cluster.cuh"
 #include "common.cuh"
 #include "ops/sampling.h"
 #include "topk.cuh"
@@ -95,52 +96,6 @@ __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* red) {
   if (lane == 0) red[warp] = v;
   __syncthreads();
   return warp_sum_u64(lane < kWarps ? red[lane] : 0ull);
-}
-
-// Thread-block cluster barrier halves (sm_90+; the host splits rows only there). The relaxed arrive
-// at the start and its wait before the first remote store guarantee that every CTA of the cluster
-// runs (its shared memory exists); the release/acquire pair publishes the remote stores.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-// *p (in this CTA's shared memory) = v, in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ void store_remote(u64* p, int rank, u64 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(v) : "memory");
-#endif
-}
-
-// The address of *p (in this CTA's shared memory) in the shared memory of cluster CTA `rank`, and
-// loads from such addresses.
-__device__ __forceinline__ uint32_t cluster_addr(const void* p, int rank) {
-  uint32_t remote = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-#endif
-  return remote;
-}
-__device__ __forceinline__ uint32_t ld_cluster(uint32_t addr) {
-  uint32_t v = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-#endif
-  return v;
 }
 
 // The largest of the split CTAs' block-uniform values, in every thread of rank 0 (others: their

@@ -63,7 +63,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention/ptx.cuh"
 #include "launch.cuh"
+#include "pdl.cuh"
 
 namespace tallow::cuda {
 
@@ -169,41 +171,18 @@ struct Shape_ {
 
 // ---- device helpers ----------------------------------------------------------------------------
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, or 16 zero bytes (no read) when !valid.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-#else
-  __trap();  // the host never launches this below sm_80
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
+// Output elements acc * inv, rounded to Q, stored with one 8-byte write.
+template <class Q>
+__device__ __forceinline__ void store4(Q* dst, float4 acc, float inv) {
+  union {
+    Q h[4];
+    uint2 u;
+  } pk;
+  pk.h[0] = from_float<Q>(acc.x * inv);
+  pk.h[1] = from_float<Q>(acc.y * inv);
+  pk.h[2] = from_float<Q>(acc.z * inv);
+  pk.h[3] = from_float<Q>(acc.w * inv);
+  *reinterpret_cast<uint2*>(dst) = pk.u;
 }
 
 // Waits until at most `pending` of this thread's newest groups are still in flight.
@@ -235,41 +214,10 @@ __device__ __forceinline__ void lds_words(const unsigned char* p, uint32_t* w) {
 // Byte `off` of a slot row whose 16-byte units are XOR-swizzled by `swz` (< 8).
 __device__ __forceinline__ int swizzled(int off, int swz) { return (((off >> 4) ^ swz) << 4) | (off & 15); }
 
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
 // Two e4m3 values (low 16 bits; the lower byte first) as f16x2: one cvt.rn.f16x2.e4m3x2 on sm_89+.
 __device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t two) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xffffu), __NV_E4M3);
   return (uint32_t)r.x | ((uint32_t)r.y << 16);
-}
-
-// c += A B for one m16n8k16 tile (f32 accumulators).
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, __half>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-#else
-  __trap();
-#endif
 }
 
 // Keys [lo, hi) visible to query i of n of a sequence of length len (never past the block table).
@@ -654,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
       }
       cp_async_wait<0>();  // (only empty groups can remain)
-      pdl_trigger();       // the main loop is done: the next kernel may start launching
+      pdl_launch_dependents();       // the main loop is done: the next kernel may start launching
 
       // Merge the warps: each leaves (m, l) per row and its O rows in shared memory (the slots are
       // free once every warp is past the barrier); then each output element sums the warps in order.
@@ -695,16 +643,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
           L += f * s_wl[w][r];
         }
         if (ns == 1) {  // the whole range: normalise and write the output
-          const float inv = L > 0.f ? P.out_scale / L : 0.f;
-          union {
-            Q h[4];
-            uint2 u;
-          } pk;
-          pk.h[0] = from_float<Q>(acc.x * inv);
-          pk.h[1] = from_float<Q>(acc.y * inv);
-          pk.h[2] = from_float<Q>(acc.z * inv);
-          pk.h[3] = from_float<Q>(acc.w * inv);
-          *reinterpret_cast<uint2*>(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + d) = pk.u;
+          store4(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + d, acc,
+                 L > 0.f ? P.out_scale / L : 0.f);
         } else {  // one split: leave (m, l, O) for the merge
           *reinterpret_cast<float4*>(P.part_o + (pidx * G + r) * D + d) = acc;
           if (d == 0) {
@@ -765,16 +705,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         return acc;
       };
       auto store = [&](int r, int c, float4 acc) {
-        const float inv = s_inv[r];
-        union {
-          Q h[4];
-          uint2 u;
-        } pk;
-        pk.h[0] = from_float<Q>(acc.x * inv);
-        pk.h[1] = from_float<Q>(acc.y * inv);
-        pk.h[2] = from_float<Q>(acc.z * inv);
-        pk.h[3] = from_float<Q>(acc.w * inv);
-        *reinterpret_cast<uint2*>(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + 4 * c) = pk.u;
+        store4(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + 4 * c, acc, s_inv[r]);
       };
       if (items >= kThreads) {  // a thread per column, all splits in order
         for (int it = tid; it < items; it += kThreads) store(it / C4, it % C4, sum_splits(0, 1, it / C4, it % C4));

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "attention/prefill.cuh"
+#include "attention/ptx.cuh"
 #include "launch.cuh"
 
 namespace tallow::cuda {
@@ -91,15 +92,6 @@ struct PrefillParams {
 
 // ---- PTX wrappers (sm_80+) ------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -111,40 +103,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
-// c += a (16x16, row) * b (16x8, col), f32 accumulators.
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
 __device__ __forceinline__ float ex2(float x) {  // 2^x; ex2(-inf) = 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Two floats rounded to a 16-bit pair (lo in the low half).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
 }
 
 // Two e4m3 bytes (lo byte first) -> two T, exactly.
@@ -271,8 +233,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams P
       for_chunks<BN * CPR>(tid, [&](int idx) {
         const int r = idx / CPR, c = idx % CPR;
         const int64_t a = ko[r], e = vo[r];
-        cp_async16(smem_u32(dk + r * ST + c * 8), a >= 0 ? kb + a + c * 8 : kb, a >= 0 ? 16 : 0);
-        cp_async16(smem_u32(dv + r * ST + c * 8), e >= 0 ? vb + e + c * 8 : vb, e >= 0 ? 16 : 0);
+        cp_async16(smem_addr(dk + r * ST + c * 8), a >= 0 ? kb + a + c * 8 : kb, a >= 0);
+        cp_async16(smem_addr(dv + r * ST + c * 8), e >= 0 ? vb + e + c * 8 : vb, e >= 0);
       });
     } else {
       constexpr int CPR8 = D / 16;
@@ -283,8 +245,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams P
       for_chunks<BN * CPR8>(tid, [&](int idx) {
         const int r = idx / CPR8, c = idx % CPR8;
         const int64_t a = ko[r], e = vo[r];
-        cp_async16(smem_u32(dk + r * D + c * 16), a >= 0 ? kb + a + c * 16 : kb, a >= 0 ? 16 : 0);
-        cp_async16(smem_u32(dv + r * D + c * 16), e >= 0 ? vb + e + c * 16 : vb, e >= 0 ? 16 : 0);
+        cp_async16(smem_addr(dk + r * D + c * 16), a >= 0 ? kb + a + c * 16 : kb, a >= 0);
+        cp_async16(smem_addr(dv + r * D + c * 16), e >= 0 ? vb + e + c * 16 : vb, e >= 0);
       });
     }
   };
@@ -301,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams P
     for_chunks<BM * CPR>(tid, [&](int idx) {
       const int r = idx / CPR, c = idx % CPR;
       const bool ok = r < m_count;
-      cp_async16(smem_u32(sQ + r * ST + c * 8), ok ? qb + r * P.q_st + c * 8 : qb, ok ? 16 : 0);
+      cp_async16(smem_addr(sQ + r * ST + c * 8), ok ? qb + r * P.q_st + c * 8 : qb, ok);
     });
   }
   __syncthreads();  // block rows visible
@@ -319,14 +281,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams P
   }
 
   // ldmatrix addresses of this lane (bytes); tile offsets below are compile-time immediates.
-  const uint32_t q_addr = smem_u32(sQ) + ((wr0 + (lane & 15)) * ST + (lane >> 4) * 8) * 2;
-  const uint32_t k_addr0 = smem_u32(sK) + (((lane & 7) + ((lane >> 4) << 3)) * ST + ((lane >> 3) & 1) * 8) * 2;
-  const uint32_t v_addr0 = smem_u32(sV) + ((lane & 15) * ST + (lane >> 4) * 8) * 2;
+  const uint32_t q_addr = smem_addr(sQ) + ((wr0 + (lane & 15)) * ST + (lane >> 4) * 8) * 2;
+  const uint32_t k_addr0 = smem_addr(sK) + (((lane & 7) + ((lane >> 4) << 3)) * ST + ((lane >> 3) & 1) * 8) * 2;
+  const uint32_t v_addr0 = smem_addr(sV) + ((lane & 15) * ST + (lane >> 4) * 8) * 2;
 
   int slot = 0;  // it % 3: block rows of tile it
   for (int it = 0; it < ntiles; ++it) {
     // Tile it has landed; every warp is done with tile it - 1 (its buffers and block rows are free).
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     const int slot1 = slot == 2 ? 0 : slot + 1, slot2 = slot1 == 2 ? 0 : slot1 + 1;
     if (it + 1 < ntiles) issue(slot1, (it + 1) & 1);
@@ -477,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams P
     if (it + 2 < ntiles && tid < BN) put_block(n_first + it + 2, slot2, blk2);
     slot = slot1;
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
   if (ntiles == 0) __syncthreads();  // Q's loads (by any thread) are done before sQ is reused below
   if (wcount == 0) return;
 
