@@ -5,8 +5,11 @@ CUDA (skipped, with the reason, without a GPU): for M = 1..16 and 64, silu / gel
 none, bf16 / f16 / f32, the result is bitwise the composition's on the device (the gated GEMV stages
 exactly silu_and_mul's rounded product and reduces in gemv's order; other shapes run the composition)
 and within the float64 bound; repeated runs are bitwise equal; it captures into a CUDA graph.
-Reference bounds (relative L2 vs float64 of the unrounded product): the output rounding plus the
-rounding of the activated product, ~u*sqrt(2/3): bf16 8e-3, f16 1e-3, f32 1e-5 (see cases_gated_linear).
+Reference bounds (L2 of the error vs float64 of the unrounded product, relative to the same sum over
+magnitudes, |act| @ |w|^T + |b|): the output rounding plus the rounding of the activated product,
+~u*sqrt(2/3): bf16 8e-3, f16 1e-3, f32 1e-5 (see cases_gated_linear). Over 4,800 random CPU cases
+(400 seeds) the bf16 worst was 4.3e-3; relative to the result itself it reached 2.2e-2 where a few
+outputs cancel, which made the earlier form of this check fail now and then.
 """
 import numpy as np
 import pytest
@@ -55,8 +58,14 @@ def _inputs(rng, shape_x, n, dtype, bias):
     return x, w, b
 
 
-def _rel(y, ref):
-    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+def _ref_err(y, x, w, b, act):
+    """Normwise error of y against the float64 act(gate) * up @ w^T + b, relative to the same sum
+    taken over magnitudes (|act| @ |w|^T + |b|): the rounding bound's own scale. (Relative to the
+    result itself, a few outputs that cancel - these tests use as few as 3 - exceed any fixed bound.)"""
+    a = _act_ref(x, act)
+    ref = a @ w.T + (b if b is not None else 0.0)
+    mag = np.abs(a) @ np.abs(w).T + (np.abs(b) if b is not None else 0.0)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(mag))
 
 
 # ---- CPU ------------------------------------------------------------------------------------------
@@ -73,7 +82,7 @@ def test_cpu_is_the_composition(rng, dtype, act):
         out = tallow.tensor(np.full(tuple(shape_x[:-1]) + (n,), np.nan, np.float32), dtype=dtype)
         tallow.ops.gated_linear(x, w, b, activation=act, out=out)
         np.testing.assert_array_equal(_np(out), _np(want))
-        assert _rel(_np(got), _act_ref(_np(x), act) @ _np(w).T + (_np(b) if bias else 0)) < TOL[dtype]
+        assert _ref_err(_np(got), _np(x), _np(w), _np(b) if bias else None, act) < TOL[dtype]
 
 
 def test_errors_name_op_and_shapes():
@@ -140,8 +149,8 @@ def test_cuda_matches_composition(rng, skinny16, dtype, act):
             want = _np(_composition(xg, wg, bg if use_bias else None, act))
             assert not np.isnan(got).any(), f"M={m} K={k}: outputs left unwritten"
             np.testing.assert_array_equal(got, want, err_msg=f"{act} {dtype} M={m} N={n} K={k}")
-            ref = _act_ref(_np(x), act) @ _np(w).T + (_np(b) if use_bias else 0)
-            assert _rel(got, ref) < TOL[dtype], f"{act} {dtype} M={m} K={k}: rel err {_rel(got, ref):.2e}"
+            err = _ref_err(got, _np(x), _np(w), _np(b) if use_bias else None, act)
+            assert err < TOL[dtype], f"{act} {dtype} M={m} K={k}: error {err:.2e}"
 
 
 @needs_cuda
@@ -155,8 +164,7 @@ def test_cuda_shapes_and_strides(rng, skinny16):
         got = _np(tallow.ops.gated_linear(view(xg), wg, bg))
         want = _np(_composition(view(xg), wg, bg, "silu"))
         np.testing.assert_array_equal(got, want)
-        ref = _act_ref(view(_np(x)), "silu") @ _np(w).T + _np(b)
-        assert _rel(got, ref) < TOL["bfloat16"]
+        assert _ref_err(got, view(_np(x)), _np(w), _np(b), "silu") < TOL["bfloat16"]
     x1 = xg[0, :2 * k]
     y1 = tallow.ops.gated_linear(x1, wg, bg)
     assert tuple(y1.shape) == (n,)
