@@ -130,7 +130,9 @@ def test_q_and_cache_dtypes_differ(rng, q_dtype, cache_dtype):
 def test_thread_counts_and_work_splits(rng, threads, nthreads, seqs, hq, hk):
     """Few items against many threads: query blocks shrink, long key ranges are split
     (flash-decoding, parts merged after), kv heads are divided between items. Any thread count
-    gives the reference within the f32 bound, and the single-thread result within f32 rounding."""
+    gives the reference within the f32 bound, and the single-thread result within 5e-6 normwise (the
+    merge of split parts reorders f32 sums: worst 1.5e-6 over 1,800 random comparisons; elementwise,
+    an output near zero differed by 2.6e-6 and failed the earlier atol 2e-6 now and then)."""
     inp = make_batch(rng, seqs, hq, hk, 128, 32, qmul=2.0)
     tl, ref = as_tensors(inp, "float32")
     tallow.set_num_threads(nthreads)
@@ -138,7 +140,7 @@ def test_thread_counts_and_work_splits(rng, threads, nthreads, seqs, hq, hk):
     expect = paged_ref(ref["q"], ref["k_cache"], ref["v_cache"], *(ref[k] for k in INDEX_KEYS), 128**-0.5)
     assert relative_error(out, expect) <= TOL["float32"]
     tallow.set_num_threads(1)
-    np.testing.assert_allclose(out, to_np(run_paged(tl, 128**-0.5)), rtol=2e-5, atol=2e-6)
+    assert relative_error(out, to_np(run_paged(tl, 128**-0.5))) <= 5e-6
 
 
 def test_index_dtypes_and_zero_query_sequences(rng):
