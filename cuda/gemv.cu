@@ -23,9 +23,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <sstream>
+#include <string>
+#include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "activation.cuh"
 #include "cluster.cuh"
@@ -463,12 +467,7 @@ struct Launch {
   int64_t tiles, steps;
 };
 
-Launch choose(int64_t M, int64_t N, int64_t K, const DeviceInfo& dev) {
-  GemvConfig o;
-  {
-    std::lock_guard<std::mutex> lk(g_mu);
-    o = overrides();
-  }
+Launch choose(int64_t M, int64_t N, int64_t K, const DeviceInfo& dev, const GemvConfig& o) {
   const bool clusters = dev.major >= 9;
   Launch L{};
   // Two row tiles per warp halve the x traffic (through L1) where M > 8 and rows are plentiful.
@@ -600,13 +599,143 @@ std::string describe(const Launch& L) {
                  ",steps=", L.steps, ")");
 }
 
+// ---- autotuning ------------------------------------------------------------------------------
+// The heuristic's launch is not the fastest everywhere: it was measured on an H200, and on an H100
+// at M = 1 other launches stream Llama-3-8B's qkv_proj 9% faster and the other projections 2-4%
+// faster (TALLOW_BENCH_GEMV_SWEEP=1 python benchmarks/bench_cuda.py). So unless TALLOW_GEMV_CONFIG
+// pins the launch or TALLOW_GEMV_AUTOTUNE=0, the first call of a shape outside graph capture times
+// the heuristic and a few variants on its own operands (into a scratch output, in the call's mode,
+// plain or gated, without the norm prologue or residual epilogue) and keeps the fastest for that shape,
+// dtype and device; every mode then uses it. Graph capture replays what the eager warm-up call chose.
+
+const char* const kTuneCandidates[] = {
+    "",  // the heuristic (kept on ties)
+    "unroll=2",         "unroll=4",         "unroll=8",          "warps=4",          "warps=8",
+    "warps=16",         "warps=4,unroll=2", "warps=8,unroll=2",  "warps=16,unroll=2", "warps=8,split=2",
+    "target=32",        "unroll=2,target=32", "warps=8,split=2,rt=2,unroll=4", "policy=1", "unroll=2,policy=1"};
+
+// One launch per shape whatever the mode, so that gated_linear and linear_add stay bitwise their
+// compositions (the same launch sums a product in the same order).
+struct TuneKey {
+  int dev, dt;
+  int64_t M, N, K;
+  bool operator<(const TuneKey& o) const { return std::tie(dev, dt, M, N, K) < std::tie(o.dev, o.dt, o.M, o.N, o.K); }
+};
+
+std::map<TuneKey, GemvConfig>& tuned() {  // under g_mu
+  static std::map<TuneKey, GemvConfig> t;
+  return t;
+}
+
+bool autotune_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALLOW_GEMV_AUTOTUNE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+bool overridden(const GemvConfig& o) {
+  return o.warps > 0 || o.split > 0 || o.rt > 0 || o.unroll > 0 || o.policy >= 0 || o.pdl >= 0 || o.target > 0;
+}
+
+int current_device_index() {
+  int dev = 0;
+  TALLOW_CUDA_CHECK("linear", cudaGetDevice(&dev));
+  return dev;
+}
+
+// The configuration for a shape: the override, else the tuned one, else the heuristic's (all -1).
+// `found` tells whether the table had the shape.
+GemvConfig config_for(const TuneKey& key, bool* found = nullptr) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (found) *found = true;
+  if (overridden(overrides())) return overrides();
+  auto it = tuned().find(key);
+  if (it != tuned().end()) return it->second;
+  if (found) *found = false;
+  return GemvConfig{};
+}
+
 // The launch for this shape with PDL resolved for `stream`.
-Launch choose_for(int64_t M, int64_t N, int64_t K, cudaStream_t stream) {
+Launch choose_for(int64_t M, int64_t N, int64_t K, const GemvConfig& cfg, cudaStream_t stream) {
   const DeviceInfo dev = device_info();
-  Launch L = choose(M, N, K, dev);
+  Launch L = choose(M, N, K, dev, cfg);
   if (!pdl_enabled() || dev.major < 9) L.pdl = 0;
   else if (L.pdl < 0) L.pdl = is_capturing(stream) ? 1 : 0;  // weights are static only on the decode path
   return L;
+}
+
+template <bool G>
+void launch_with(DType dt, const Launch& L, Args a, cudaStream_t s) {
+  a.steps = (int)L.steps;
+  a.split = L.split;
+  if (dt == DType::BF16) launch_typed<__nv_bfloat16, G>(L, a, s);
+  else launch_typed<__half, G>(L, a, s);
+}
+
+// Times the candidates for a's shape (see above) and records the fastest. Any failure (a launch the
+// device refuses, no memory for the scratch output) leaves that candidate out; with none timed the
+// heuristic is recorded.
+template <bool G>
+GemvConfig tune(DType dt, const Args& real, int64_t K, const TuneKey& key, cudaStream_t s) {
+  const DeviceInfo dev = device_info();
+  Args a = real;
+  a.norm_w = nullptr;  // the plain product (the fused modes add a prologue / epilogue to the same stream)
+  a.res = nullptr;
+  a.bias = nullptr;
+  void* scratch = nullptr;
+  GemvConfig best_cfg{};
+  if (cudaMalloc(&scratch, (size_t)a.M * (size_t)a.N * 2) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return best_cfg;
+  }
+  a.out = scratch;
+  a.ldo = a.N;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  float best = 1e30f;
+  std::vector<std::string> seen;
+  if (cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
+    for (const char* spec : kTuneCandidates) {
+      const GemvConfig cfg = parse_config(spec, "gemv autotune");
+      Launch L = choose(a.M, a.N, K, dev, cfg);
+      L.pdl = 0;
+      const std::string d = describe(L);
+      if (std::find(seen.begin(), seen.end(), d) != seen.end()) continue;
+      seen.push_back(d);
+      try {
+        launch_with<G>(dt, L, a, s);  // warm-up
+        constexpr int kReps = 5;
+        TALLOW_CUDA_CHECK("linear", cudaEventRecord(e0, s));
+        for (int r = 0; r < kReps; ++r) launch_with<G>(dt, L, a, s);
+        TALLOW_CUDA_CHECK("linear", cudaEventRecord(e1, s));
+        TALLOW_CUDA_CHECK("linear", cudaEventSynchronize(e1));
+        float ms = 0.f;
+        TALLOW_CUDA_CHECK("linear", cudaEventElapsedTime(&ms, e0, e1));
+        if (ms < best * 0.99f) best = ms, best_cfg = cfg;  // ties keep the earlier (the heuristic first)
+      } catch (const std::exception&) {
+        (void)cudaGetLastError();
+        (void)cudaStreamSynchronize(s);
+      }
+    }
+  }
+  (void)cudaGetLastError();
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  (void)cudaStreamSynchronize(s);
+  cudaFree(scratch);
+  std::lock_guard<std::mutex> lk(g_mu);
+  tuned()[key] = best_cfg;
+  return best_cfg;
+}
+
+template <bool G>
+void launch_tuned(DType dt, const Args& a, int64_t K, cudaStream_t s) {
+  const TuneKey key{current_device_index(), (int)dt, a.M, a.N, K};
+  bool found = false;
+  GemvConfig cfg = config_for(key, &found);
+  if (!found && autotune_enabled() && !is_capturing(s)) cfg = tune<G>(dt, a, K, key, s);
+  launch_with<G>(dt, choose_for(a.M, a.N, K, cfg, s), a, s);
 }
 
 }  // namespace
@@ -625,11 +754,8 @@ void gemv(DType dt, const void* x, int64_t ldx, int M, const void* w, int64_t ld
           int64_t ldo, int64_t N, int64_t K, void* stream, const GemvFusion& f) {
   TALLOW_CHECK(!f.norm_w || M <= kNormMaxM, "linear: the fused RMSNorm takes at most ", kNormMaxM, " rows, got ", M);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const Launch L = choose_for(M, N, K, s);
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, 0, 0,
-         f.norm_w, f.eps, f.w_add, f.residual, f.ldr};
-  if (dt == DType::BF16) launch_typed<__nv_bfloat16, false>(L, a, s);
-  else launch_typed<__half, false>(L, a, s);
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, 0, 1, 0, 0, f.norm_w, f.eps, f.w_add, f.residual, f.ldr};
+  launch_tuned<false>(dt, a, K, s);
 }
 
 bool gemv_gated_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, int64_t x_kstride,
@@ -642,19 +768,21 @@ void gemv_gated(DType dt, const void* x, int64_t ldx, int M, int act, const void
                 void* out, int64_t ldo, int64_t N, int64_t K, void* stream, const void* residual, int64_t ldr) {
   TALLOW_CHECK(act == kGemvSilu || act == kGemvGeluTanh || act == kGemvGeluErf, "gated_linear: bad activation ", act);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const Launch L = choose_for(M, N, K, s);
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, (int)L.steps, L.split, act, 0,
-         nullptr, 0.f, 0.f, residual, ldr};
-  if (dt == DType::BF16) launch_typed<__nv_bfloat16, true>(L, a, s);
-  else launch_typed<__half, true>(L, a, s);
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, 0, 1, act, 0, nullptr, 0.f, 0.f, residual, ldr};
+  launch_tuned<true>(dt, a, K, s);
 }
 
-std::string gemv_config(int64_t M, int64_t N, int64_t K) { return describe(choose(M, N, K, device_info())); }
+std::string gemv_config(int64_t M, int64_t N, int64_t K) {
+  // The plain product's launch for a bf16 x (the dtype the tuned table is looked up with).
+  const TuneKey key{current_device_index(), (int)DType::BF16, M, N, K};
+  return describe(choose(M, N, K, device_info(), config_for(key)));
+}
 
 void set_gemv_config(const std::string& spec) {
   const GemvConfig c = parse_config(spec, "set_gemv_config");
   std::lock_guard<std::mutex> lk(g_mu);
   overrides() = c;
+  tuned().clear();  // tune again under the new settings
 }
 
 }  // namespace tallow::cuda

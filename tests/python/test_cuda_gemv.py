@@ -241,6 +241,65 @@ def test_env_config(rng):
     assert r.returncode != 0 and "TALLOW_GEMV_CONFIG" in r.stderr and "ValueError" in r.stderr, r.stderr
 
 
+
+_AUTOTUNE_CHILD = textwrap.dedent("""
+    import numpy as np, tallow, tallow.cuda as tc
+    rng = np.random.default_rng({seed})
+    N, K = {N}, {K}
+    before = tc._c.gemv_config(1, N, K)
+    x = tallow.tensor(rng.standard_normal((1, K)), dtype="bfloat16").to("cuda")
+    w = tallow.tensor(rng.standard_normal((N, K)) / np.sqrt(K), dtype="bfloat16").to("cuda")
+    tallow.ops.linear(x, w)
+    tc.synchronize()
+    print(before == tc._c.gemv_config(1, N, K))
+""")
+
+
+def test_autotune(rng):
+    """With no launch pinned, the first call of a shape outside graph capture times launch candidates on
+    its operands and keeps the fastest: results stay within the bound, gemv_config reports the kept
+    launch, plain, fused and captured calls of the shape use it (bitwise the same products), and
+    TALLOW_GEMV_AUTOTUNE=0 keeps the heuristic's launch."""
+    if not hasattr(tc._c, "set_gemv_config"):
+        pytest.skip("tallow.cuda._c.set_gemv_config is not bound in this build")
+    tc._c.set_gemv_config("")  # nothing pinned; forgets earlier tuning
+    N, K = 1024 + 8 * int(rng.integers(1, 128)), 8 * int(rng.integers(64, 512))
+    for M in (1, 4, 16):
+        x = tallow.tensor(rng.standard_normal((M, K)), dtype="bfloat16")
+        w, _ = _weights(rng, N, K, "bfloat16", False)
+        xg, wg = x.to("cuda"), w.to("cuda")
+        got = _linear(xg, wg, None, M, N, "bfloat16")  # tunes this shape
+        assert _rel(got, _f64(x) @ _f64(w).T) < TOL["bfloat16"], (M, N, K)
+        assert tc._c.gemv_config(M, N, K).startswith("warps=")
+        again = _linear(xg, wg, None, M, N, "bfloat16")
+        assert np.array_equal(got, again), "a tuned shape changed launch between calls"
+        # linear_add (the residual epilogue) uses the tuned launch: the same rounded product added
+        res = tallow.tensor(rng.standard_normal((M, N)), dtype="bfloat16")
+        summed = tallow.ops.linear_add(xg, wg, None, res.to("cuda"))
+        want = (tallow.tensor(got, dtype="bfloat16").to("float32").numpy() + res.to("float32").numpy())
+        want = tallow.tensor(want, dtype="bfloat16")
+        assert np.array_equal(_f64(summed), _f64(want)), (M, N, K)
+        # captured: no tuning inside the capture, the recorded launch is the tuned one
+        out = _nan_out(M, N, "bfloat16")
+        s = tc.Stream()
+        g = tc.CUDAGraph()
+        with tc.stream(s):
+            with tc.graph(g, stream=s):
+                tallow.ops.linear(xg, wg, None, out=out)
+        g.replay(s)
+        s.synchronize()
+        assert np.array_equal(_f64(out), got), (M, N, K)
+        g.reset()
+    seed = int(rng.integers(1 << 31))
+    for env_value, same in (("0", "True"), ("1", None)):
+        env = dict(os.environ, TALLOW_GEMV_AUTOTUNE=env_value)
+        env.pop("TALLOW_GEMV_CONFIG", None)
+        r = subprocess.run([sys.executable, "-c", _AUTOTUNE_CHILD.format(seed=seed, N=4096, K=4096)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        if same is not None:  # off: the launch reported after the call is the heuristic's
+            assert r.stdout.strip() == same, r.stdout
+
 # ---- the decode path with programmatic dependent launch -------------------------------------------
 
 def _pdl_toggle():
