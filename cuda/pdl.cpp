@@ -40,7 +40,8 @@ int compute_major() {  // of the current device, cached per device
 bool pdl_enabled() { return pdl_flag().load(); }
 void set_pdl_enabled(bool on) { pdl_flag().store(on); }
 bool use_pdl(void* stream) {  // cheapest test first: eager launches pay one cudaStreamIsCapturing
-  return pdl_flag().load() && is_capturing(static_cast<StreamHandle>(stream)) && compute_major() >= 9;
+  return pdl_flag().load() && pdl_capable(stream);
 }
+bool pdl_capable(void* stream) { return is_capturing(static_cast<StreamHandle>(stream)) && compute_major() >= 9; }
 
 }  // namespace tallow::cuda

@@ -16,6 +16,8 @@ namespace tallow::cuda {
 bool pdl_enabled();              // TALLOW_PDL=1 (read once) turns it on; default off (measured slower)
 void set_pdl_enabled(bool on);   // tests: compare with and without
 bool use_pdl(void* stream);      // enabled, compute capability >= 9.0 and `stream` is capturing
+bool pdl_capable(void* stream);  // compute capability >= 9.0 and `stream` is capturing (the switch aside:
+                                 // kernels measured faster with PDL use it on their own, see rope_cache.cu)
 
 }  // namespace tallow::cuda
 

@@ -29,8 +29,10 @@
 // ValueError as on the CPU) unless the stream is capturing or index checks are off; unchecked
 // out-of-range positions leave a row unrotated (still normed and cached, as the composition does)
 // and out-of-range slots are skipped. Under capture on sm_90+ the kernel is launched with PDL
-// (pdl.cuh): it lets its dependents launch, then waits for the previous kernel before its first
-// global read or write.
+// (pdl.cuh): it reads its first token's position and cos/sin row before waiting for the previous
+// kernel (the position is checked again after the wait), then lets its dependents launch.
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "pdl.cuh"
@@ -112,8 +114,24 @@ __global__ void __launch_bounds__(NP == 1 ? 1024 : 512) rope_cache_kernel(const 
   using P = Pack<T, V>;
   using CP = CachePack<C, V>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Speculation (PDL): the block's first token's position and cos/sin values are read before waiting
+  // for the previous kernel (they are host uploads and a constant table on the decode path, not that
+  // kernel's outputs), and the position is read again after the wait, in flight with the rows: on a
+  // difference the cos/sin values are loaded again. Dependents launch after the wait (before it, their
+  // CTAs would take SMs the previous kernel may still need).
+  const int64_t t_spec = blockIdx.x;
+  int64_t ps_spec = -1;
+  float cv_spec[kCsPerThread];
+  if (t_spec < a.T) {
+    ps_spec = a.pos(t_spec);
+#pragma unroll
+    for (int j = 0; j < kCsPerThread; ++j) {
+      const int c = threadIdx.x + j * blockDim.x;
+      if (ps_spec >= 0 && ps_spec < a.max_pos && c < a.rot) cv_spec[j] = __ldg(a.cs + ps_spec * a.cs_stride + c);
+    }
+  }
+  pdl_wait();  // before reading q/k/v or slots, and before the first write
   pdl_launch_dependents();
-  pdl_wait();  // before the first global read (q/k/v, positions, slots) or write
   const int G = a.G, lane = threadIdx.x & (G - 1), grp = threadIdx.x / G, ngrp = blockDim.x / G;
   T* stage = reinterpret_cast<T*>(smem_raw) + (size_t)grp * G * a.np * V;
   float* cs_s = reinterpret_cast<float*>(smem_raw + (size_t)blockDim.x * a.np * 16);  // the token's cos/sin row
@@ -125,10 +143,11 @@ __global__ void __launch_bounds__(NP == 1 ? 1024 : 512) rope_cache_kernel(const 
     // The cos/sin row (blockDim.x * kCsPerThread >= rot): loaded now, in flight with the first rows'
     // loads, staged in shared memory before the first rotation.
     float cv[kCsPerThread];
+    const bool spec_ok = t == t_spec && ps == ps_spec;
 #pragma unroll
     for (int j = 0; j < kCsPerThread; ++j) {
       const int c = threadIdx.x + j * blockDim.x;
-      if (rope_ok && c < a.rot) cv[j] = __ldg(a.cs + ps * a.cs_stride + c);
+      if (rope_ok && c < a.rot) cv[j] = spec_ok ? cv_spec[j] : __ldg(a.cs + ps * a.cs_stride + c);
     }
     const int64_t slot = a.slots(t);
     const bool store = slot >= 0 && slot < a.nslots;
@@ -349,7 +368,14 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
   const int threads = (int)std::min<int64_t>(max_threads, std::max<int64_t>(min_threads, (rows * G + 31) / 32 * 32));
   const size_t smem = (size_t)threads * np * 16 + (size_t)rot * sizeof(float);
   const unsigned blocks = (unsigned)std::min<int64_t>(T, (int64_t)1 << 20);
-  const bool pdl = use_pdl(ctx.stream);
+  // PDL under capture on sm_90+ also without TALLOW_PDL (TALLOW_ROPE_PDL=0 turns it off): the launch
+  // and the position -> cos/sin loads then overlap the qkv projection's tail (H100, Llama-3-8B batch-1
+  // decode: see cuda/README.md).
+  static const bool rope_pdl = [] {
+    const char* e = std::getenv("TALLOW_ROPE_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  const bool pdl = use_pdl(ctx.stream) || (rope_pdl && pdl_capable(ctx.stream));
   TALLOW_CUDA_DISPATCH_FLOAT(op, q.dtype(), [&] {
     using S = scalar_t;
     dispatch_cache(op, k_cache.dtype(), [&](auto ctag) {
