@@ -1,10 +1,12 @@
 // rms_norm, fused_add_rms_norm and layer_norm on CUDA (see norm.cuh).
 //
 // PDL (pdl.cuh): under graph capture on sm_90+ the kernels are launched with programmatic dependent
-// launch. Each one first lets its own dependents launch (a next gemv starts streaming weights while
+// launch (with TALLOW_PDL=1, and for up to 16 rows by default). Each one first lets its own dependents launch (a next gemv starts streaming weights while
 // this tiny kernel runs), warms L2 with its weight (a prefetch reads nothing), then waits for the
 // previous kernel before its first global load or store. x is read with plain loads (no __restrict__,
 // so never ld.global.nc, which ptxas may hoist above the wait): the previous kernel writes it.
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "pdl.cuh"
@@ -15,6 +17,8 @@
 namespace tallow::cuda {
 
 namespace {
+
+constexpr int64_t kPdlMaxRows = 16;  // rows up to which the norms use PDL on their own (see the launch)
 
 struct NormArgs {
   int64_t H;
@@ -247,7 +251,13 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
       R* pr = res ? static_cast<R*>(res->data_ptr()) : nullptr;
       const X* px = static_cast<const X*>(x.data_ptr());
       X* po = static_cast<X*>(o.data_ptr());
-      const bool pdl = use_pdl(ctx.stream);
+      // Decode-sized launches (a few rows) use PDL under capture on sm_90+ also without TALLOW_PDL
+      // (TALLOW_NORM_PDL=0 turns that off): their launch then overlaps the previous GEMV's tail.
+      static const bool norm_pdl = [] {
+        const char* e = std::getenv("TALLOW_NORM_PDL");
+        return !(e && std::string(e) == "0");
+      }();
+      const bool pdl = use_pdl(ctx.stream) || (norm_pdl && rows <= kPdlMaxRows && pdl_capable(ctx.stream));
       auto run = [&](auto kernel) {
         if (smem > 48 * 1024)
           TALLOW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
