@@ -268,12 +268,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
     xp[n] = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + (int64_t)(xon[n] ? m : 0) * a.ldx) + q;
   }
 
+  bool waited = false;  // griddepcontrol.wait once: after the first step's weight loads (norm mode: first)
   // Norm mode: this lane's tokens' 1 / rms (the reduction space, `red`, is free again afterwards).
   float xinv[NT];
   const uint4* nwp = nullptr;
   if constexpr (!G) {
     if (a.norm_w) {
       grid_dep_wait();  // x is the previous kernel's output
+      waited = true;
       row_inv_rms<T>(a, red, red + kMaxWarps * kNormMaxM);
 #pragma unroll
       for (int n = 0; n < NT; ++n) xinv[n] = xon[n] ? red[kMaxWarps * kNormMaxM + 8 * n + g] : 0.f;
@@ -314,7 +316,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
           for (int h = 0; h < 2; ++h) wv[t][h][j] = in ? load_w<P>(wp[t][h] + c0 + 4 * j) : zero;
       }
     }
-    grid_dep_wait();
+    if (!waited) {
+      grid_dep_wait();
+      waited = true;
+    }
     if constexpr (G) {
       __syncwarp();  // the previous step's fragment reads are done
       stage_gated<T, U, RT * U >= 8 ? 2 : 4>(a, c0, stage, lane);  // 2 where w's registers leave no room
@@ -348,7 +353,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemv_kernel(const Args a) {
         for (int n = 0; n < NT; ++n) mma_chunk<T>(acc[t][n], wv[t][0][j], wv[t][1][j], xv[n]);
     }
   }
-  grid_dep_wait();  // warps without steps: out may still be in use by the previous kernel
+  if (!waited) grid_dep_wait();  // warps without steps: out may still be in use by the previous kernel
 
   // Accumulator c[e] of tile (t, n) is row 16 t + g (+ 8 for e >= 2), token 8 n + 2 q + (e & 1).
   float* mine = red + warp * (TOK * ROWP);
