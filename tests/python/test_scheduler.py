@@ -150,3 +150,32 @@ def test_prefix_cache_computes_shared_system_prompt_once():
     assert out.num_scheduled_tokens == {"b": 1} and b.num_cached_tokens == 16
     assert s.kv.prefix_cache_hit_rate > 0
     run_to_end(s)
+
+
+def test_decode_batch_longest_context_first(monkeypatch):
+    """The engine orders a decode-only step's batch by context length, longest first (the attention
+    grid then runs the longest CTAs first); a step with a prefill chunk keeps the scheduler's order, and
+    TALLOW_DECODE_ORDER=fcfs (read at import as _LONGEST_FIRST) keeps it always."""
+    from tallow.engine import engine as E
+
+    s = make(num_blocks=64, max_num_batched_tokens=256)
+    lengths = {"a": 5, "b": 17, "c": 9, "d": 13}
+    for rid, n in lengths.items():
+        s.add_request(req(rid, n, max_tokens=8, base=100 * len(rid) + n))
+    step(s)  # the prefills
+    out = s.schedule()
+    assert all(out.num_scheduled_tokens[r.request_id] == 1 for r in out.requests)
+    fcfs = [r.request_id for r in out.requests]
+    monkeypatch.setattr(E, "_LONGEST_FIRST", True)
+    E._order_decode_batch(out)
+    assert [r.request_id for r in out.requests] == ["b", "d", "c", "a"]
+    assert [r.num_tokens for r in out.requests] == sorted((r.num_tokens for r in out.requests), reverse=True)
+    monkeypatch.setattr(E, "_LONGEST_FIRST", False)
+    out.requests.sort(key=lambda r: fcfs.index(r.request_id))
+    E._order_decode_batch(out)
+    assert [r.request_id for r in out.requests] == fcfs
+    # a step with a prefill chunk in it is left in the scheduler's order
+    monkeypatch.setattr(E, "_LONGEST_FIRST", True)
+    out.num_scheduled_tokens[out.requests[0].request_id] = 3
+    E._order_decode_batch(out)
+    assert [r.request_id for r in out.requests] == fcfs

@@ -21,6 +21,17 @@ from tallow.engine.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("tallow.engine")
 _STEP_TIMING = os.environ.get("TALLOW_STEP_TIMING", "") not in ("", "0")
+# Decode steps batch their sequences longest context first (TALLOW_DECODE_ORDER=fcfs keeps the
+# scheduler's order): the decode-attention grid then starts the longest CTAs first, so short ones fill
+# the tail instead of one long CTA running alone at the end (longest-processing-time-first).
+_LONGEST_FIRST = os.environ.get("TALLOW_DECODE_ORDER", "length") != "fcfs"
+
+
+def _order_decode_batch(out) -> None:
+    """Sort a decode-only step's requests by context length, longest first (see _LONGEST_FIRST)."""
+    if _LONGEST_FIRST and len(out.requests) > 1 and all(
+            out.num_scheduled_tokens[r.request_id] == 1 for r in out.requests):
+        out.requests.sort(key=lambda r: -r.num_tokens)
 
 PromptType = Union[str, dict, list[int]]
 DEFAULT_CPU_KV_MB = 2048
@@ -327,6 +338,7 @@ class LLMEngine:
             self._pending = None
             return self._finish(pending)
         out = self.scheduler.schedule()
+        _order_decode_batch(out)
         t1 = time.perf_counter()
         if out.is_empty:
             if pending is not None:
@@ -396,6 +408,7 @@ class LLMEngine:
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        _order_decode_batch(out)
         t1 = time.perf_counter()
         if out.is_empty:
             if self.scheduler.has_unfinished:
