@@ -61,6 +61,7 @@ struct RopeCacheArgs {
   int64_t cs_stride, max_pos;
   int half, rot;
   bool neox, b_first;  // b_first: b' = fma(b, c, a*s), else fma(a, s, b*c)
+  bool packed;         // rotate whole packs (rotate_pack) where they lie inside the rotary part
   void* kc;
   void* vc;
   CacheArg kca, vca;
@@ -105,6 +106,37 @@ __device__ __forceinline__ T rotate(const RopeCacheArgs& a, const T* row, int e,
   const float c = cs[i], s = cs[a.half + i];
   if (first) return from_float<T>(__fmaf_rn(pa, c, -__fmul_rn(pb, s)));
   return from_float<T>(a.b_first ? __fmaf_rn(pb, c, __fmul_rn(pa, s)) : __fmaf_rn(pa, s, __fmul_rn(pb, c)));
+}
+
+// rotate() for a whole pack: elements e0 .. e0 + V - 1, all in the rotary part and (neox) on one side
+// of `half`. The same operations per element, without rotate()'s per-element index arithmetic and
+// branches (the kernel is instruction-bound at prefill sizes).
+template <class T, int V>
+__device__ __forceinline__ void rotate_pack(const RopeCacheArgs& a, const T* row, int e0, Pack<T, V>& y,
+                                            const float* cs) {
+  if (a.neox) {
+    const bool first = e0 < a.half;
+    const int i0 = first ? e0 : e0 - a.half, partner = first ? e0 + a.half : i0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float x = to_float(y.v[j]), other = staged(row, partner + j);
+      const float c = cs[i0 + j], s = cs[a.half + i0 + j];
+      if (first) {
+        y.v[j] = from_float<T>(__fmaf_rn(x, c, -__fmul_rn(other, s)));
+      } else {  // (pa, pb) = (other, x)
+        y.v[j] = from_float<T>(a.b_first ? __fmaf_rn(x, c, __fmul_rn(other, s)) : __fmaf_rn(other, s, __fmul_rn(x, c)));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; j += 2) {
+      const float pa = to_float(y.v[j]), pb = to_float(y.v[j + 1]);
+      const int i = (e0 + j) >> 1;
+      const float c = cs[i], s = cs[a.half + i];
+      y.v[j] = from_float<T>(__fmaf_rn(pa, c, -__fmul_rn(pb, s)));
+      y.v[j + 1] = from_float<T>(a.b_first ? __fmaf_rn(pb, c, __fmul_rn(pa, s)) : __fmaf_rn(pa, s, __fmul_rn(pb, c)));
+    }
+  }
 }
 
 // NP: packs per lane held in registers (1: rows of <= 32 packs, the common case; else kMaxPacks).
@@ -228,9 +260,12 @@ __global__ void __launch_bounds__(NP == 1 ? 1024 : 512) rope_cache_kernel(const 
           if (i >= a.np || p >= a.nv) continue;
           P y = x[i];
           if (!is_v) {
-            if (rope_ok) {
+            const int e0 = p * V;
+            if (rope_ok && a.packed && e0 + V <= a.rot) {
+              rotate_pack<T, V>(a, stage, e0, y, cs_s);
+            } else if (rope_ok) {
 #pragma unroll
-              for (int j = 0; j < V; ++j) y.v[j] = rotate<T>(a, stage, p * V + j, x[i].v[j], cs_s);
+              for (int j = 0; j < V; ++j) y.v[j] = rotate<T>(a, stage, e0 + j, x[i].v[j], cs_s);
             }
             *reinterpret_cast<P*>(row + (int64_t)p * V) = y;
           }
@@ -347,6 +382,12 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
   a.rot = (int)rot;
   a.neox = neox;
   a.b_first = b_first;
+  // Whole-pack rotation needs every pack on one side of `half` (neox); TALLOW_ROPE_PACKED=0 turns it off.
+  static const bool packed_on = [] {
+    const char* e = std::getenv("TALLOW_ROPE_PACKED");
+    return !(e && std::string(e) == "0");
+  }();
+  a.packed = packed_on && (!neox || half % (16 / (int64_t)q.element_size()) == 0);
   a.kc = k_cache.data_ptr();
   a.vc = v_cache.data_ptr();
   a.kca = {k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};

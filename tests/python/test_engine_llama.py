@@ -47,6 +47,26 @@ def test_greedy_matches_transformers(llama_dir, engine_args):
     assert_pool_free(llm)
 
 
+def test_mixed_steps_split_their_attention(llama_dir):
+    """Chunked prefills beside decodes: the runner marks each step's decode prefix, so attention runs
+    the decodes and the prefill chunks as two calls (layers/attention.py); the tokens stay exact."""
+    path, _, prompts, expected = llama_dir
+    llm = LLM(str(path), prefill_chunk_size=8, max_num_batched_tokens=16)
+    runner, seen = llm.engine.runner, []
+    orig = runner._fill
+
+    def spy(out, reqs):
+        r = orig(out, reqs)
+        seen.append((runner.num_decode_seqs, len(out.requests)))
+        return r
+
+    runner._fill = spy
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert any(0 < nd < b for nd, b in seen), seen
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_pool_free(llm)
+
+
 def test_preemption_happens_and_is_exact(llama_dir):
     path, _, prompts, expected = llama_dir
     llm = LLM(str(path), num_kv_blocks=14, block_size=16)

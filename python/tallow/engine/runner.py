@@ -19,6 +19,10 @@ from tallow.engine.request import Request
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.engine.step_inputs import StepInputs
 
+# Mixed steps run the decodes' attention apart from the prefill chunks' (see layers/attention.py);
+# TALLOW_SPLIT_MIXED_ATTENTION=0 runs the whole batch through one call.
+_SPLIT_MIXED = os.environ.get("TALLOW_SPLIT_MIXED_ATTENTION", "1") != "0"
+
 log = logging.getLogger("tallow.engine")
 
 
@@ -54,6 +58,7 @@ class ModelRunner:
         self.graphs_enabled = False
         self.graph_batch_sizes: list[int] = []
         self.stats = {"graph_steps": 0, "eager_steps": 0}
+        self.num_decode_seqs = 0  # of the step being run (see _fill)
 
     # -- KV cache ---------------------------------------------------------------------------------
     @staticmethod
@@ -96,7 +101,8 @@ class ModelRunner:
 
     # -- inputs -----------------------------------------------------------------------------------
     def _fill(self, out: SchedulerOutput, sample_reqs: list[Request]) -> tuple[int, int, dict]:
-        """Write the step's indices into the host arrays; returns (tokens, sequences, last row of each request)."""
+        """Write the step's indices into the host arrays; returns (tokens, sequences, last row of each
+        request). Sets self.num_decode_seqs: how many leading sequences have one query (decodes)."""
         inp, bs = self.inputs, self.block_size
         t = 0
         last_row: dict[str, int] = {}
@@ -122,11 +128,16 @@ class ModelRunner:
             inp.seq_lens[i] = start + n
             inp.qsl[i + 1] = t
             last_row[req.request_id] = t - 1
+        multi = np.flatnonzero(np.diff(inp.qsl[:len(out.requests) + 1]) != 1)
+        nd = (int(multi[0]) if multi.size else len(out.requests)) if _SPLIT_MIXED else 0
+        self.num_decode_seqs = nd
+        inp.set_decode_prefix(nd, len(out.requests))
         return t, len(out.requests), last_row
 
     # -- running ----------------------------------------------------------------------------------
-    def _forward(self, num_tokens: int, num_seqs: int, num_rows: int, all_rows: bool) -> tallow.Tensor:
-        ids, pos, meta, rows = self.inputs.views(num_tokens, num_seqs, num_rows)
+    def _forward(self, num_tokens: int, num_seqs: int, num_rows: int, all_rows: bool,
+                 num_decode_seqs: int = 0) -> tallow.Tensor:
+        ids, pos, meta, rows = self.inputs.views(num_tokens, num_seqs, num_rows, num_decode_seqs)
         if self.prev_ids is not None:
             tallow.ops.fill_from_previous_(ids, self.prev_ids)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
@@ -161,14 +172,14 @@ class ModelRunner:
             self.stats["eager_steps"] += 1
             if not rows:
                 inp.upload(num_seqs)
-                ids, pos, meta, _ = inp.views(num_tokens, num_seqs)
+                ids, pos, meta, _ = inp.views(num_tokens, num_seqs, 0, self.num_decode_seqs)
                 if self.prev_ids is not None:
                     tallow.ops.fill_from_previous_(ids, self.prev_ids)
                 self.model.forward(ids, pos, self.kv_caches, meta)
                 return None
             inp.rows[:len(rows)] = rows
             inp.upload(num_seqs)
-            return self._forward(num_tokens, num_seqs, len(rows), decode_only)
+            return self._forward(num_tokens, num_seqs, len(rows), decode_only, self.num_decode_seqs)
 
     def keep_sampled(self, ids: tallow.Tensor) -> None:
         """Remember this step's sampled ids [B] on the device for the next step's unknown tokens."""

@@ -18,14 +18,15 @@ class StepInputs:
         self.max_tokens, self.max_seqs, self.width = int(max_tokens), int(max_seqs), int(max_blocks_per_seq)
         self.device = device
         t, b, w = self.max_tokens, self.max_seqs, self.width
-        # i32: ids [t] | seq_lens [b] | query_start_loc [b + 1] | block_tables [b, w]
-        self._o_seq, self._o_qsl, self._o_bt = t, t + b, t + 2 * b + 1
+        # i32: ids [t] | seq_lens [b] | query_start_loc [b + 1] | prefill query starts [b + 1] | block_tables [b, w]
+        self._o_seq, self._o_qsl, self._o_pqsl, self._o_bt = t, t + b, t + 2 * b + 1, t + 3 * b + 2
         self.i32 = np.zeros(self._o_bt + b * w, dtype=np.int32)
         # i64: positions [t] | slot_mapping [t] | rows to sample [b]
         self.i64 = np.zeros(2 * t + b, dtype=np.int64)
         self.ids = self.i32[:t]
         self.seq_lens = self.i32[self._o_seq:self._o_qsl]
-        self.qsl = self.i32[self._o_qsl:self._o_bt]
+        self.qsl = self.i32[self._o_qsl:self._o_pqsl]
+        self.prefill_qsl = self.i32[self._o_pqsl:self._o_bt]  # query starts of the sequences after the decodes
         self.bt = self.i32[self._o_bt:].reshape(b, w)
         self.pos = self.i64[:t]
         self.slots = self.i64[t:2 * t]
@@ -50,16 +51,26 @@ class StepInputs:
         self.d_i32.narrow(0, 0, n32).copy_(tallow.from_numpy(self.i32[:n32]))
         self.d_i64.copy_(tallow.from_numpy(self.i64))
 
-    def views(self, num_tokens: int, num_seqs: int, num_rows: int = 0):
-        """(input ids, positions, AttentionMetadata, rows to sample) over the device buffers."""
+    def set_decode_prefix(self, num_decode_seqs: int, num_seqs: int) -> None:
+        """Record that the first num_decode_seqs sequences have one query each: prefill_qsl gets the
+        query starts of the others, rebased to 0 (AttentionMetadata then splits mixed steps)."""
+        nd = num_decode_seqs
+        self.prefill_qsl[:num_seqs - nd + 1] = self.qsl[nd:num_seqs + 1] - self.qsl[nd]
+
+    def views(self, num_tokens: int, num_seqs: int, num_rows: int = 0, num_decode_seqs: int = 0):
+        """(input ids, positions, AttentionMetadata, rows to sample) over the device buffers. With
+        0 < num_decode_seqs < num_seqs (set_decode_prefix called) the metadata describes a mixed step."""
         t = self.max_tokens
         d32, d64 = self.d_i32, self.d_i64
+        mixed = 0 < num_decode_seqs < num_seqs
         meta = AttentionMetadata(
             slot_mapping=d64.narrow(0, t, num_tokens),
             block_tables=d32.narrow(0, self._o_bt, num_seqs * self.width).view(num_seqs, self.width),
             seq_lens=d32.narrow(0, self._o_seq, num_seqs),
             query_start_loc=d32.narrow(0, self._o_qsl, num_seqs + 1),
-            num_tokens=num_tokens)
+            num_tokens=num_tokens,
+            num_decode_seqs=num_decode_seqs if mixed else 0,
+            prefill_query_start_loc=d32.narrow(0, self._o_pqsl, num_seqs - num_decode_seqs + 1) if mixed else None)
         return d32.narrow(0, 0, num_tokens), d64.narrow(0, 0, num_tokens), meta, d64.narrow(0, 2 * t, num_rows)
 
     def fill_padding(self, start: int, stop: int, num_tokens_before: int) -> None:

@@ -16,6 +16,11 @@ class AttentionMetadata:
     seq_lens: tallow.Tensor  # i32 [B]: tokens of each sequence after this step
     query_start_loc: tallow.Tensor  # i32 [B + 1]
     num_tokens: int
+    # Mixed steps: the leading num_decode_seqs sequences have one query each (decodes) and the rest
+    # are prefill chunks, whose query starts rebased to 0 are prefill_query_start_loc (i32 [B - nd + 1]).
+    # attend() then runs the decode kernel on the first part and the prefill kernel on the rest.
+    num_decode_seqs: int = 0
+    prefill_query_start_loc: Optional[tallow.Tensor] = None
 
 
 class PagedAttention:
@@ -54,8 +59,25 @@ class PagedAttention:
 
     def attend(self, q: tallow.Tensor, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
                meta: AttentionMetadata) -> tallow.Tensor:
-        """Attention over the cache (this step's K/V written already)."""
+        """Attention over the cache (this step's K/V written already). A mixed step (decodes, then
+        prefill chunks) runs as two calls: the decode sequences on CUDA go to the split-KV decode kernel,
+        which reads each K/V row once per kv head, instead of taking a 64-128-row query tile of the
+        prefill kernel per query head for their one row (H100, Qwen3-0.6B, nano-vllm workload: see
+        cuda/README.md). Each sequence's result does not depend on the batch it runs in."""
         k_cache, v_cache = kv_cache
-        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   self.scale, self.sliding_window, self.softcap, k_scale=self.k_scale,
+        nd, B = meta.num_decode_seqs, meta.seq_lens.shape[0]
+        if 0 < nd < B and meta.prefill_query_start_loc is not None:
+            T = q.shape[0]
+            out = tallow.empty([T, q.shape[1], v_cache.shape[3]], q.dtype, q.device)
+            self._attend(q.narrow(0, 0, nd), k_cache, v_cache, meta.block_tables.narrow(0, 0, nd),
+                         meta.seq_lens.narrow(0, 0, nd), meta.query_start_loc.narrow(0, 0, nd + 1),
+                         out.narrow(0, 0, nd))
+            self._attend(q.narrow(0, nd, T - nd), k_cache, v_cache, meta.block_tables.narrow(0, nd, B - nd),
+                         meta.seq_lens.narrow(0, nd, B - nd), meta.prefill_query_start_loc, out.narrow(0, nd, T - nd))
+            return out
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+
+    def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out=None):
+        return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, self.scale,
+                                   self.sliding_window, self.softcap, out=out, k_scale=self.k_scale,
                                    v_scale=self.v_scale)
