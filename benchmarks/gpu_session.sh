@@ -46,7 +46,7 @@ pyt() {  # pytest quietly into $OUT/<name>.log; print the summary and any failur
 if has test; then
   pyt kernels test_cuda_runtime.py test_cuda_gemv.py test_cuda_prefill_attention.py test_paged_attention.py \
     test_paged_attention_fp8.py test_sampling_ops.py test_gpu_sampler.py test_random_fill.py test_dummy_weights.py \
-    test_rope_cache.py test_gated_linear.py test_fused_linear.py
+    test_rope_cache.py test_gated_linear.py test_fused_linear.py test_matmul.py test_mixed_step_attention.py
 fi
 if has backend; then
   pyt backend test_backend_ops.py -k cuda

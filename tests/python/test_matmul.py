@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import tallow
+import tallow.cuda as tc
 from tallow import ops
 
 
@@ -117,3 +118,19 @@ def test_empty_rows():
     assert ops.matmul(t((0, 5)), t((5, 3))).shape == (0, 3)
     assert ops.linear(t((2, 0, 5)), t((3, 5))).shape == (2, 0, 3)
     assert ops.matmul(t((2, 0, 4, 5)), t((5, 3))).shape == (2, 0, 4, 3)
+
+
+# ---- CUDA: timed algorithms shared by M buckets -----------------------------------------------------
+@pytest.mark.skipif(not tc.is_available(), reason="needs a CUDA device (tallow built with CUDA)")
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_linear_rows_sharing_a_tuning_bucket(rng, bias):
+    """Products timed at first use (m * n * k >= 1e9) whose M lies in one bucket (1025..1280) reuse
+    the first one's algorithm (cuda/gemm.cu); each stays within the bf16 bound of its own reference."""
+    n, k = 1024, 1024
+    w = tallow.tensor(rng.standard_normal((n, k)).astype(np.float32), dtype="bfloat16")
+    b = tallow.tensor(rng.standard_normal(n).astype(np.float32), dtype="bfloat16") if bias else None
+    for m in (1100, 1030, 1279, 1200):
+        x = tallow.tensor(rng.standard_normal((m, k)).astype(np.float32), dtype="bfloat16")
+        out = ops.linear(x.to("cuda"), w.to("cuda"), b.to("cuda") if bias else None)
+        ref = f64(x) @ f64(w).T + (f64(b) if bias else 0.0)
+        assert rel(f64(out.to("cpu")), ref) < 8e-3, m
