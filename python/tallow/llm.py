@@ -59,8 +59,12 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        texts: dict[tuple[str, int], list[str]] = {}  # joined once at the end (no quadratic string growth)
         for delta in self._run(set(ids)):
-            _merge(final, delta)
+            _merge(final, texts, delta)
+        for rid in ids:
+            for o in final[rid].outputs:
+                o.text = "".join(texts.get((rid, o.index), ()))
         return [final[i] for i in ids]
 
     def _run(self, ids: set[str]) -> Iterator[RequestOutput]:
@@ -94,7 +98,8 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def _merge(final: dict[str, RequestOutput], delta: RequestOutput) -> None:
+def _merge(final: dict[str, RequestOutput], texts: dict[tuple[str, int], list[str]], delta: RequestOutput) -> None:
+    """Fold a delta into the request's RequestOutput; its text pieces go to texts[(request, index)]."""
     cur = final.get(delta.request_id)
     if cur is None:
         cur = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,
@@ -102,7 +107,8 @@ def _merge(final: dict[str, RequestOutput], delta: RequestOutput) -> None:
                              for o in delta.outputs], False, delta.num_cached_tokens)
         final[delta.request_id] = cur
     for o, d in zip(cur.outputs, delta.outputs):
-        o.text += d.text
+        if d.text:
+            texts.setdefault((delta.request_id, o.index), []).append(d.text)
         o.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             o.logprobs.extend(d.logprobs)

@@ -13,8 +13,10 @@ Bounds:
 - CUDA, rows of <= 32 16-byte packs (f16/bf16 D <= 256, f32 D <= 128) and the layouts that run the
   composition: bit for bit (test_cuda_bit_exact; see cuda/rope_cache.cu for why).
 - CUDA, any layout: every element within one rounding of the composition's: |fused - composed| <=
-  ulp_dtype(composed) + 2^-22 max|composed| (a rotation contracted into an FMA the other way, or
-  the norm's sum reduced in another order: a few f32 ulps in 1/rms), one e4m3 step in fp8 caches.
+  ulp_dtype(composed) + 2^-22 max|composed| (a rotation contracted into an FMA the other way), one
+  e4m3 step in fp8 caches; with q/k norms on rows of > 32 packs (the norm's sum reduced in another
+  order: a few f32 ulps in 1/rms, so a normed element may round the other way) also two ulps at the
+  row's largest magnitude.
 """
 import numpy as np
 import pytest
@@ -151,9 +153,14 @@ def ulp(x, dtype):
     return np.maximum(2.0 ** (e - bits), tiny)
 
 
-def assert_within_one_rounding(got, want, dtype, what):
+def assert_within_one_rounding(got, want, dtype, what, inputs_may_round=False):
+    """inputs_may_round: the norm summed in another order (rows of > 32 packs), so a normed element
+    may round the other way (one ulp of the row); the rotation a*c - b*s carries that into its output
+    with |c|, |s| <= 1: at most two ulps at the row's largest magnitude, also where a*c - b*s cancels."""
     d = np.abs(got.astype(np.float64) - want.astype(np.float64))
     bound = ulp(want, dtype) + 2.0**-22 * np.max(np.abs(want))
+    if inputs_may_round:
+        bound = bound + 2 * ulp(np.max(np.abs(want), axis=-1, keepdims=True), dtype)
     bad = ~(d <= bound)
     assert not bad.any(), (f"{what}: {bad.sum()} of {d.size} elements differ by more than one rounding "
                            f"(max diff {d.max():.3g})")
@@ -177,8 +184,9 @@ def test_matches_composition(device, name, dtype, T, rng):
         return
     bits = {FP8: 3, "bfloat16": 7, "float16": 10, "float32": 23}
     cdt = min(sc.get("cache") or dtype, dtype, key=bits.get)  # k's rounding, then the cache's
-    assert_within_one_rounding(got["qkv"], want["qkv"], dtype, f"{name} q/k")
-    assert_within_one_rounding(got["k_cache"], want["k_cache"], cdt, f"{name} k_cache")
+    long_rows = bool(sc.get("norm")) and packs(sc, dtype) > 32
+    assert_within_one_rounding(got["qkv"], want["qkv"], dtype, f"{name} q/k", long_rows)
+    assert_within_one_rounding(got["k_cache"], want["k_cache"], cdt, f"{name} k_cache", long_rows)
     np.testing.assert_array_equal(got["v_cache"], want["v_cache"], err_msg=f"{name} v_cache")  # a plain copy
 
 
