@@ -13,6 +13,9 @@
   * paged prefill attention of one 4096-token causal sequence, same heads, TFLOP/s counted as
     2 * T^2 * D * Hq (the causal half of QK^T and PV).
 
+Caches are head-major by default, as the engine allocates them on CUDA (--layout hnd: a kv head's rows
+of a block are contiguous); --layout nhd gives row-major blocks.
+
 Timing: CUDA events around `--iters` back-to-back calls, the median of `--reps` repetitions, after
 warm-up. Decode calls are also captured into one CUDA graph (as the engine runs decode steps) and
 the graph's replays give the reported value (eager_value: the same calls launched one by one, host
@@ -53,6 +56,9 @@ def main() -> int:
     ap.add_argument("--contexts", default="4096,8192,16384,32768")
     ap.add_argument("--dtypes", default="bfloat16,float8_e4m3")
     ap.add_argument("--max-kv-gb", type=float, default=60.0, help="skip configurations whose K+V exceed this")
+    ap.add_argument("--layout", choices=("hnd", "nhd"), default="hnd",
+                    help="cache blocks head-major (hnd: the engine's CUDA layout, a [blocks, rows, heads, dim] "
+                         "view of [blocks, heads, rows, dim] memory) or row-major (nhd)")
     ap.add_argument("--pad-to", type=int, default=0,
                     help="pad block tables to this many tokens (as a graph-captured decode step does)")
     ap.add_argument("--iters", type=int, default=20)
@@ -100,6 +106,12 @@ def main() -> int:
             if stage is not part:
                 part.copy_(ops.cast(stage, "float8_e4m3"))
         return t
+
+    def cache(blocks, dtype):
+        """A random [blocks, BS, HK, D] paged cache in --layout (filled through its contiguous storage)."""
+        if args.layout == "hnd":
+            return fill(tallow.empty([blocks, HK, BS, D], dtype, "cuda")).permute(0, 2, 1, 3)
+        return fill(tallow.empty([blocks, BS, HK, D], dtype, "cuda"))
 
     def time_ms(fn, iters=args.iters, reps=args.reps, warm=3):
         return gpu_timing.time_ms(fn, iters, reps, warm)
@@ -158,8 +170,7 @@ def main() -> int:
         # copies of the smallest config to overflow L2 also have to fit
         blocks_needed = max(blocks_needed, max(-(-4 * l2 // (2 * b * c * row_bytes)) * b * c // BS
                                                for b, c, _ in configs))
-        kc = fill(tallow.empty([blocks_needed, BS, HK, D], dtype, "cuda"))
-        vc = fill(tallow.empty([blocks_needed, BS, HK, D], dtype, "cuda"))
+        kc, vc = cache(blocks_needed, dtype), cache(blocks_needed, dtype)
         scales = dict(k_scale=0.05, v_scale=0.05) if esize == 1 else {}
         rng = np.random.default_rng(1)
         for B, ctx, padded in configs:
@@ -209,8 +220,7 @@ def main() -> int:
         del a, b, c
         T = 4096
         nblk = T // BS
-        kc = fill(tallow.empty([nblk, BS, HK, D], "bfloat16", "cuda"))
-        vc = fill(tallow.empty([nblk, BS, HK, D], "bfloat16", "cuda"))
+        kc, vc = cache(nblk, "bfloat16"), cache(nblk, "bfloat16")
         q = fill(tallow.empty([T, HQ, D], "bfloat16", "cuda"))
         tables = tallow.from_numpy(np.random.default_rng(2).permutation(nblk).astype(np.int32)[None]).to("cuda")
         seq_lens = tallow.from_numpy(np.array([T], np.int32)).to("cuda")
