@@ -387,7 +387,7 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
     const char* e = std::getenv("TALLOW_ROPE_PACKED");
     return !(e && std::string(e) == "0");
   }();
-  a.packed = packed_on && (!neox || half % (16 / (int64_t)q.element_size()) == 0);
+  a.packed = packed_on && (!neox || half % V == 0);
   a.kc = k_cache.data_ptr();
   a.vc = v_cache.data_ptr();
   a.kca = {k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
