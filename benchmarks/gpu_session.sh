@@ -52,7 +52,7 @@ if has backend; then
   pyt backend test_backend_ops.py -k cuda
 fi
 if has engine; then
-  pyt engine test_engine_cuda.py test_engine_cuda_bf16.py test_engine_cuda_graphs.py test_engine_overlap.py
+  pyt engine test_engine_cuda.py test_engine_cuda_bf16.py test_engine_cuda_graphs.py test_engine_overlap.py test_decode_overlap.py
 fi
 if has bench; then
   TALLOW_BENCH_JSON="$OUT/bench_cuda.json" python3 benchmarks/bench_cuda.py >"$OUT/bench_cuda.log" 2>&1 || rc=1

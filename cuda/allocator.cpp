@@ -27,7 +27,9 @@ struct Block {
 
 struct PoolState {
   int device = 0;
-  std::multimap<size_t, Block*> free_blocks;
+  // Free blocks by the stream that allocated them: a capture that forks work onto a second stream
+  // must not hand one stream's freed block to the other, whose replayed kernels may run concurrently.
+  std::map<cudaStream_t, std::multimap<size_t, Block*>> free_blocks;
   std::unordered_set<Block*> blocks;
   bool released = false;  // its owner (GraphPool) is gone: free blocks go back to the driver
 };
@@ -66,7 +68,7 @@ class CachingAllocator final : public Allocator {
     st.num_allocs++;
     Block* b = nullptr;
     if (gp) {
-      b = take(gp->state()->free_blocks, size);
+      b = take(gp->state()->free_blocks[stream], size);
     } else {
       auto it = free_.find(StreamKey{dev, stream});
       if (it != free_.end()) b = take(it->second, size);
@@ -115,7 +117,7 @@ class CachingAllocator final : public Allocator {
         free_block(b);
         maybe_delete_pool(p);
       } else {
-        p->free_blocks.emplace(b->size, b);
+        p->free_blocks[b->stream].emplace(b->size, b);
       }
       return;
     }
@@ -164,7 +166,8 @@ class CachingAllocator final : public Allocator {
   void release_pool(PoolState* p) {
     std::lock_guard<std::mutex> lk(mu_);
     p->released = true;
-    for (auto& kv : p->free_blocks) free_block(kv.second);
+    for (auto& per_stream : p->free_blocks)
+      for (auto& kv : per_stream.second) free_block(kv.second);
     p->free_blocks.clear();
     maybe_delete_pool(p);
   }

@@ -5,7 +5,8 @@
 // as their column-major transposes: C^T[N, M] = B^T[N, K] * A^T[K, M], any operand with one unit
 // stride is used in place (the other stride is its leading dimension), batch dims that collapse to
 // one stride (0 for broadcast) become a strided batch. Plans (descriptors + the heuristic's algo)
-// are cached per shape/layout; a 32 MiB workspace per device is allocated once.
+// are cached per shape/layout; a 32 MiB workspace per (device, stream) is allocated at its first use, so
+// products queued on two streams (a decode step split over two streams, runner.py) never share one.
 //
 // Decode shapes (f16/bf16 linear with M <= skinny_max_m() rows, 16-byte rows) take tallow's own GEMV
 // kernel (gemv.cu), which streams w once at HBM bandwidth on the tensor cores; so does gated_linear's
@@ -36,21 +37,41 @@ constexpr int kCandidates = 16;
 struct DeviceBlas {
   cublasLtHandle_t handle = nullptr;
   cublasHandle_t blas = nullptr;  // cublasGemmEx, a further candidate when large products are timed
-  void* workspace = nullptr;
+  void* workspace = nullptr;      // of the stream blas_for was asked for (set by blas_for on every call)
+  std::map<cudaStream_t, void*> workspaces;
 };
 
-DeviceBlas& blas_for(int device) {
+// The device's handles (made at first use). Ops are issued from one thread at a time.
+std::mutex& blas_mu() {
   static std::mutex mu;
+  return mu;
+}
+
+DeviceBlas& device_blas(int device) {
   static std::vector<DeviceBlas> per_device;
-  std::lock_guard<std::mutex> lk(mu);
   if ((size_t)device >= per_device.size()) per_device.resize((size_t)device + 1);
   DeviceBlas& b = per_device[(size_t)device];
   if (!b.handle) {
     TALLOW_CUBLAS_CHECK("matmul", cublasLtCreate(&b.handle));
-    TALLOW_CUDA_CHECK("matmul", cudaMalloc(&b.workspace, kWorkspaceBytes));
     TALLOW_CUBLAS_CHECK("matmul", cublasCreate(&b.blas));
-    TALLOW_CUBLAS_CHECK("matmul", cublasSetWorkspace(b.blas, b.workspace, kWorkspaceBytes));
   }
+  return b;
+}
+
+cublasLtHandle_t lt_handle(int device) {
+  std::lock_guard<std::mutex> lk(blas_mu());
+  return device_blas(device).handle;
+}
+
+// The handles with `workspace` (also cuBLAS's) that of `stream`, made at the stream's first product
+// and kept, since captured graphs point at it.
+DeviceBlas& blas_for(int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lk(blas_mu());
+  DeviceBlas& b = device_blas(device);
+  void*& ws = b.workspaces[stream];
+  if (!ws) TALLOW_CUDA_CHECK("matmul", cudaMalloc(&ws, kWorkspaceBytes));
+  if (b.workspace != ws) TALLOW_CUBLAS_CHECK("matmul", cublasSetWorkspace(b.blas, ws, kWorkspaceBytes));
+  b.workspace = ws;
   return b;
 }
 
@@ -144,7 +165,7 @@ Plan& get_plan(const PlanKey& key, DType dt) {
   TALLOW_CUBLAS_CHECK("matmul", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
   cublasLtMatmulHeuristicResult_t res[kCandidates]{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(blas_for(key.device).handle, p.op, p.la, p.lb, p.lc, p.lc,
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_handle(key.device), p.op, p.la, p.lb, p.lc, p.lc,
                                                            pref, kCandidates, res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   TALLOW_CUBLAS_CHECK("matmul (heuristic)", st);
@@ -317,7 +338,7 @@ void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tenso
     TALLOW_CUBLAS_CHECK(op, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp));
   }
   const float alpha = 1.f, beta = 0.f;
-  DeviceBlas& blas = blas_for(key.device);
+  DeviceBlas& blas = blas_for(key.device, stream);
   if (!p.tuned && !is_capturing(stream) && reuse_bucket_winner(key, p, blas.handle)) p.tuned = true;
   if (!p.tuned && !is_capturing(stream)) {
     // Time each candidate (2 runs, the second counted) on the real operands; keep the fastest.

@@ -38,12 +38,12 @@
 // counter to 0 for the next launch. A split's block ids (<= kMaxTable) are staged in shared memory;
 // entries at or past ceil(seq_len / block_size) are never read.
 //
-// Counters: one int per (token, kv head), in a per-device buffer allocated with cudaMalloc outside
+// Counters: one int per (token, kv head), in a per-(device, stream) buffer allocated with cudaMalloc outside
 // graph capture (>= 64 Ki entries, grown to the largest T * Hk seen, in powers of two; an outgrown
 // buffer is kept, since captured graphs still point at it) and zeroed once; every launch leaves
 // it zeroed. A launch under capture that needs more counters than the buffer holds takes them
 // from the graph's pool instead, zeroed by a memset captured before the kernel. One decode launch
-// at a time per device uses the buffer (stream order or PDL; not concurrent streams).
+// at a time per stream uses its buffer (stream order or PDL).
 //
 // Programmatic dependent launch (sm_90): the kernel is launched with programmatic stream
 // serialization, so it starts while the previous kernel finishes; griddepcontrol.wait precedes
@@ -59,6 +59,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -798,15 +799,21 @@ KernelFit kernel_fit(int want) {
   return f;
 }
 
-// The per-device split counters (see the top of the file). Also called when a launch needs none
-// (`used` false), so that the buffer exists before a later capture needs it.
+// The split counters of (device, stream) (see the top of the file): launches queued on two streams
+// (a decode step split over two streams, runner.py) may run at once, so each stream has its own.
+// Also called when a launch needs none (`used` false), so that the buffer exists before a later
+// capture needs it.
 int* split_counters(int64_t need, bool used, const Tensor& like, cudaStream_t stream, Tensor& fallback) {
+  struct Counters {
+    int* buf = nullptr;
+    int64_t cap = 0;
+  };
   static std::mutex mu;
-  static int* buf[64] = {};
-  static int64_t cap[64] = {};
+  static std::map<std::pair<int, cudaStream_t>, Counters> per_stream;
   const int dev = current_dev();
   std::lock_guard<std::mutex> lk(mu);
-  if (cap[dev] >= need) return buf[dev];
+  Counters& c = per_stream[{dev, stream}];
+  if (c.cap >= need) return c.buf;
   const bool capturing = is_capturing(stream);
   if (!capturing) {
     int64_t n = kMinCounters;
@@ -815,8 +822,8 @@ int* split_counters(int64_t need, bool used, const Tensor& like, cudaStream_t st
     TALLOW_CUDA_CHECK("paged_attention", cudaMalloc(&p, (size_t)n * sizeof(int)));
     TALLOW_CUDA_CHECK("paged_attention", cudaMemsetAsync(p, 0, (size_t)n * sizeof(int), stream));
     TALLOW_CUDA_CHECK("paged_attention", cudaStreamSynchronize(stream));  // once: other streams may use it next
-    buf[dev] = p;  // the old buffer stays allocated: captured graphs may still use it
-    cap[dev] = n;
+    c.buf = p;  // the old buffer stays allocated: captured graphs may still use it
+    c.cap = n;
     return p;
   }
   if (!used) return nullptr;

@@ -181,6 +181,35 @@ def test_graph_capture_and_replay(rng):
     g2.reset()
 
 
+def test_graph_capture_across_two_streams(rng):
+    """A capture that forks onto a second stream: the graph's pool never hands a block freed on one
+    stream to the other (their replayed kernels may run at once), while a stream reuses its own."""
+    x = tallow.tensor(rng.standard_normal((64, 256)), dtype="float16").to("cuda")
+    tallow.ops.scale(x, 2.0)
+    tc.synchronize()
+    main, side = tc.Stream(), tc.Stream()
+    g = tc.CUDAGraph()
+    with tc.graph(g, stream=main):
+        side.wait_stream(main)  # the side stream joins the capture
+        t = tallow.ops.scale(x, 2.0)
+        freed = t.data_ptr
+        del t  # back to the pool, as main's
+        with tc.stream(side):
+            b = tallow.ops.scale(x, 3.0)  # the same size class
+        c = tallow.ops.scale(x, 5.0)
+        main.wait_stream(side)  # joined again before the capture ends
+    assert b.data_ptr != freed, "the side stream took a block the main stream freed in the same capture"
+    assert c.data_ptr == freed  # the main stream reuses its own
+    xf = x.to("cpu").to("float32").numpy()
+    for _ in range(2):
+        g.replay()
+        tc.synchronize()
+        np.testing.assert_allclose(b.to("cpu").to("float32").numpy(), 3 * xf, rtol=1e-3)
+        np.testing.assert_allclose(c.to("cpu").to("float32").numpy(), 5 * xf, rtol=1e-3)
+    del b, c
+    g.reset()
+
+
 @pytest.mark.parametrize("path", ["skinny", "cublaslt"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("M", [1, 3, 8, 16])

@@ -4,7 +4,8 @@ returns the logits of the requests that need a next token.
 On a CUDA device every step runs on the runner's own stream; decode-only steps replay a CUDA graph
 of their batch-size bucket (cuda_graphs.py) unless graphs are off (enforce_eager), the batch is
 bigger than the largest bucket, or the model cannot be captured (it reads device data on the host:
-LongRoPE switching, final soft-capping, MoE routing)."""
+LongRoPE switching, final soft-capping, MoE routing). With TALLOW_DECODE_OVERLAP_MIN set, larger
+buckets are captured as two halves on two streams (_forward_halves; opt-in, measured slower)."""
 from __future__ import annotations
 
 import logging
@@ -18,10 +19,17 @@ from tallow.engine.kv_cache_manager import KVCacheManager
 from tallow.engine.request import Request
 from tallow.engine.scheduler import SchedulerOutput
 from tallow.engine.step_inputs import StepInputs
+from tallow.layers.attention import AttentionMetadata
 
 # Mixed steps run the decodes' attention apart from the prefill chunks' (see layers/attention.py);
 # TALLOW_SPLIT_MIXED_ATTENTION=0 runs the whole batch through one call.
 _SPLIT_MIXED = os.environ.get("TALLOW_SPLIT_MIXED_ATTENTION", "1") != "0"
+
+# With TALLOW_DECODE_OVERLAP_MIN=N (>= 16), captured decode steps of at least N sequences run as two
+# halves, each through the whole model on its own stream (see _forward_halves). Off by default: on an
+# H100 (Qwen3-0.6B, nano-vllm workload, N = 64) decode steps took 6.95 ms instead of 6.71: the halves'
+# attention grids fill every SM, so the other half's small kernels wait for SMs instead of overlapping.
+_OVERLAP_MIN_SEQS = int(os.environ.get("TALLOW_DECODE_OVERLAP_MIN", "0"))
 
 log = logging.getLogger("tallow.engine")
 
@@ -43,11 +51,12 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max(max_num_tokens, max_num_seqs)
         self.width = -(-max_model_len // block_size)
-        self.stream = None
+        self.stream = self.side_stream = None
         if device != "cpu":
             from tallow import cuda
 
             self.stream = cuda.Stream(tallow.Device(device).index)
+            self.side_stream = cuda.Stream(tallow.Device(device).index)  # the second half of split steps
             cuda.set_index_checks(False)  # the runner builds every index itself; checks would sync
         with self.on_stream():
             self.inputs = StepInputs(self.max_num_tokens, max_num_seqs, self.width, device)
@@ -57,6 +66,11 @@ class ModelRunner:
         self.graphs = None
         self.graphs_enabled = False
         self.graph_batch_sizes: list[int] = []
+        self.split_graph_sizes: list[int] = []  # buckets captured as two halves (_forward_halves)
+        # Captured decode steps may run as two halves (on CUDA). Eager decode steps do too with
+        # split_eager_decode (tests: eager steps are bound by the host, which two halves give twice the ops).
+        self.split_decode = self.side_stream is not None
+        self.split_eager_decode = False
         self.stats = {"graph_steps": 0, "eager_steps": 0}
         self.num_decode_seqs = 0  # of the step being run (see _fill)
 
@@ -145,6 +159,43 @@ class ModelRunner:
             hidden = tallow.ops.embedding(rows, hidden)  # the rows that need logits
         return self.model.compute_logits(hidden)
 
+    def _forward_halves(self, bs: int) -> tallow.Tensor:
+        """A decode step of bs sequences as two halves, each through every layer on its own stream
+        (this runner's and side_stream), then one lm_head over both. A decode step's attention is
+        bound by HBM bandwidth and its GEMMs, norms and RoPE by latency, and a layer's kernels depend
+        on each other; two independent halves were meant to let one half's small kernels run while
+        the other's attention streams the cache (measured slower: see _OVERLAP_MIN_SEQS). Each
+        sequence's result does not depend on the half it is in, but for the kernels the GEMMs pick
+        for the halves' row counts. On the CPU the halves run one after the other."""
+        from tallow import cuda
+
+        inp, cfg = self.inputs, self.model.cfg
+        first = -(-bs // 16) * 8  # about half, a multiple of 8 (GEMM row tiles)
+        ids, pos, meta, _ = inp.views(bs, bs)
+        if self.prev_ids is not None:
+            tallow.ops.fill_from_previous_(ids, self.prev_ids)
+        # Allocated before the fork: the side stream writes its rows only after everything queued so far.
+        hidden = tallow.empty([bs, cfg.hidden_size], self.model.dtype, self.device)
+        if self.side_stream is not None:
+            self.side_stream.wait_stream(self.stream)
+        for lo, n, stream in ((0, first, self.stream), (first, bs - first, self.side_stream)):
+            with cuda.stream(stream):
+                half = AttentionMetadata(
+                    slot_mapping=meta.slot_mapping.narrow(0, lo, n),
+                    block_tables=meta.block_tables.narrow(0, lo, n),
+                    seq_lens=meta.seq_lens.narrow(0, lo, n),
+                    query_start_loc=meta.query_start_loc.narrow(0, 0, n + 1),  # decode steps: 0, 1, ..., n
+                    num_tokens=n)
+                h = self.model.forward(ids.narrow(0, lo, n), pos.narrow(0, lo, n), self.kv_caches, half)
+                hidden.narrow(0, lo, n).copy_(h)
+        if self.side_stream is not None:
+            self.stream.wait_stream(self.side_stream)
+        return self.model.compute_logits(hidden)
+
+    def _split_decode(self, bs: int) -> bool:
+        """Whether a captured decode step of bs sequences runs as two halves (_forward_halves)."""
+        return self.split_decode and _OVERLAP_MIN_SEQS > 0 and bs >= max(_OVERLAP_MIN_SEQS, 16)
+
     def execute(self, out: SchedulerOutput, sample_reqs: list[Request]):
         """Run the model on every scheduled token; return the logits [len(sample_reqs), vocab] of the
         requests whose sequence the step completes, in sample_reqs order: a tensor on the model's device in
@@ -179,6 +230,8 @@ class ModelRunner:
                 return None
             inp.rows[:len(rows)] = rows
             inp.upload(num_seqs)
+            if decode_only and self.split_eager_decode and self._split_decode(num_seqs):
+                return self._forward_halves(num_seqs)
             return self._forward(num_tokens, num_seqs, len(rows), decode_only, self.num_decode_seqs)
 
     def keep_sampled(self, ids: tallow.Tensor) -> None:
@@ -217,7 +270,10 @@ class ModelRunner:
             inp.upload(bs)
 
         try:
-            graphs.capture(sizes, lambda bs: self._forward(bs, bs, bs, True), prepare)
+            # Decode steps only (qsl is 0, 1, ..., bs: one query per sequence, padding included).
+            graphs.capture(sizes, lambda bs: self._forward_halves(bs) if self._split_decode(bs)
+                           else self._forward(bs, bs, bs, True), prepare)
+            self.split_graph_sizes = [bs for bs in graphs.sizes if self._split_decode(bs)]
         except Exception as e:  # a model doing host work mid-forward: stay eager
             graphs.reset()
             log.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
