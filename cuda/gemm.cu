@@ -5,8 +5,9 @@
 // as their column-major transposes: C^T[N, M] = B^T[N, K] * A^T[K, M], any operand with one unit
 // stride is used in place (the other stride is its leading dimension), batch dims that collapse to
 // one stride (0 for broadcast) become a strided batch. Plans (descriptors + the heuristic's algo)
-// are cached per shape/layout; a 32 MiB workspace per (device, stream) is allocated at its first use, so
-// products queued on two streams (a decode step split over two streams, runner.py) never share one.
+// are cached per shape/layout; a 32 MiB workspace per device is allocated at its first use, and one per
+// stream made private (runtime.h: set_private_scratch), so products queued on two such streams (a
+// decode step split over two streams, runner.py) never share one.
 //
 // Decode shapes (f16/bf16 linear with M <= skinny_max_m() rows, 16-byte rows) take tallow's own GEMV
 // kernel (gemv.cu), which streams w once at HBM bandwidth on the tensor cores; so does gated_linear's
@@ -63,12 +64,14 @@ cublasLtHandle_t lt_handle(int device) {
   return device_blas(device).handle;
 }
 
-// The handles with `workspace` (also cuBLAS's) that of `stream`, made at the stream's first product
-// and kept, since captured graphs point at it.
+// The handles with `workspace` (also cuBLAS's) that of `stream`'s scratch key (the device's shared
+// one, or a private stream's own: runtime.h), made at its first product and kept, since captured
+// graphs point at it.
 DeviceBlas& blas_for(int device, cudaStream_t stream) {
+  const cudaStream_t key = (cudaStream_t)scratch_key(stream);
   std::lock_guard<std::mutex> lk(blas_mu());
   DeviceBlas& b = device_blas(device);
-  void*& ws = b.workspaces[stream];
+  void*& ws = b.workspaces[key];
   if (!ws) TALLOW_CUDA_CHECK("matmul", cudaMalloc(&ws, kWorkspaceBytes));
   if (b.workspace != ws) TALLOW_CUBLAS_CHECK("matmul", cublasSetWorkspace(b.blas, ws, kWorkspaceBytes));
   b.workspace = ws;

@@ -53,6 +53,12 @@ class DeviceGuard {
 StreamHandle current_stream(int device = -1);
 void set_current_stream(StreamHandle s, int device = -1);
 bool is_capturing(StreamHandle s);
+// Streams whose ops may run at the same time as another stream's (the engine's second decode stream,
+// engine/runner.py): each gets its own cuBLASLt workspace and decode-attention split counters. Every
+// other stream of a device shares one of each, so ops on those run one stream at a time.
+void set_private_scratch(StreamHandle s);
+// The key a stream's scratch is kept under: s when it was made private, else nullptr (shared).
+StreamHandle scratch_key(StreamHandle s);
 
 class Stream {
  public:

@@ -1,6 +1,8 @@
 // Streams and events. The current stream is per thread and per device; ops launch on it.
 #include <cuda_runtime_api.h>
 
+#include <mutex>
+#include <set>
 #include <vector>
 
 #include "check.h"
@@ -33,6 +35,28 @@ bool is_capturing(StreamHandle s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   TALLOW_CUDA_CHECK("is_capturing", cudaStreamIsCapturing((cudaStream_t)s, &st));
   return st != cudaStreamCaptureStatusNone;
+}
+
+namespace {
+std::mutex& private_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::set<StreamHandle>& private_streams() {
+  static std::set<StreamHandle> s;
+  return s;
+}
+}  // namespace
+
+void set_private_scratch(StreamHandle s) {
+  TALLOW_CHECK(s != nullptr, "set_private_scratch: the default stream shares the device's scratch");
+  std::lock_guard<std::mutex> lk(private_mu());
+  private_streams().insert(s);
+}
+
+StreamHandle scratch_key(StreamHandle s) {
+  std::lock_guard<std::mutex> lk(private_mu());
+  return private_streams().count(s) ? s : nullptr;
 }
 
 Stream::Stream(int device, int priority) {

@@ -97,6 +97,9 @@ void bind_cuda(py::module_& m) {
       .def("synchronize", &Stream::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("query", &Stream::query)
       .def("wait_stream", &Stream::wait_stream, py::arg("other"))
+      .def("set_private_scratch", [](const Stream& s) { set_private_scratch(s.handle()); },
+           "Give this stream its own cuBLASLt workspace and decode-attention counters (for ops that run "
+           "concurrently with another stream's)")
       .def("wait_event", [](const Stream& s, const Event& e) { e.wait(s.handle()); }, py::arg("event"))
       .def("__eq__", [](const Stream& a, const Stream& b) { return a.handle() == b.handle(); })
       .def("__hash__", [](const Stream& s) { return (uintptr_t)s.handle(); })

@@ -38,12 +38,13 @@
 // counter to 0 for the next launch. A split's block ids (<= kMaxTable) are staged in shared memory;
 // entries at or past ceil(seq_len / block_size) are never read.
 //
-// Counters: one int per (token, kv head), in a per-(device, stream) buffer allocated with cudaMalloc outside
-// graph capture (>= 64 Ki entries, grown to the largest T * Hk seen, in powers of two; an outgrown
-// buffer is kept, since captured graphs still point at it) and zeroed once; every launch leaves
-// it zeroed. A launch under capture that needs more counters than the buffer holds takes them
-// from the graph's pool instead, zeroed by a memset captured before the kernel. One decode launch
-// at a time per stream uses its buffer (stream order or PDL).
+// Counters: one int per (token, kv head), in a per-device (or private stream's) buffer allocated
+// with cudaMalloc outside graph capture (>= 64 Ki entries, grown to the largest T * Hk seen, in
+// powers of two; an outgrown buffer is kept, since captured graphs still point at it) and zeroed
+// once; every launch leaves it zeroed. A launch under capture that needs more counters than the
+// buffer holds takes them from the graph's pool instead, zeroed by a memset captured before the
+// kernel. One decode launch at a time uses a buffer (stream order or PDL; streams that may overlap
+// are made private).
 //
 // Programmatic dependent launch (sm_90): the kernel is launched with programmatic stream
 // serialization, so it starts while the previous kernel finishes; griddepcontrol.wait precedes
@@ -799,8 +800,9 @@ KernelFit kernel_fit(int want) {
   return f;
 }
 
-// The split counters of (device, stream) (see the top of the file): launches queued on two streams
-// (a decode step split over two streams, runner.py) may run at once, so each stream has its own.
+// The split counters of the device, or of a private stream (runtime.h: set_private_scratch; see the
+// top of the file): launches queued on two such streams (a decode step split over two streams,
+// runner.py) may run at once, so each has its own.
 // Also called when a launch needs none (`used` false), so that the buffer exists before a later
 // capture needs it.
 int* split_counters(int64_t need, bool used, const Tensor& like, cudaStream_t stream, Tensor& fallback) {
@@ -811,8 +813,9 @@ int* split_counters(int64_t need, bool used, const Tensor& like, cudaStream_t st
   static std::mutex mu;
   static std::map<std::pair<int, cudaStream_t>, Counters> per_stream;
   const int dev = current_dev();
+  const cudaStream_t key = (cudaStream_t)scratch_key(stream);
   std::lock_guard<std::mutex> lk(mu);
-  Counters& c = per_stream[{dev, stream}];
+  Counters& c = per_stream[{dev, key}];
   if (c.cap >= need) return c.buf;
   const bool capturing = is_capturing(stream);
   if (!capturing) {

@@ -57,6 +57,7 @@ class ModelRunner:
 
             self.stream = cuda.Stream(tallow.Device(device).index)
             self.side_stream = cuda.Stream(tallow.Device(device).index)  # the second half of split steps
+            self.side_stream.set_private_scratch()  # its GEMMs and attention run beside the main stream's
             cuda.set_index_checks(False)  # the runner builds every index itself; checks would sync
         with self.on_stream():
             self.inputs = StepInputs(self.max_num_tokens, max_num_seqs, self.width, device)
