@@ -72,6 +72,7 @@ BAD_PARAMS = [
     (dict(frequency_penalty=2.5), r"frequency_penalty must be in \[-2, 2\]"),
     (dict(presence_penalty=-3), r"presence_penalty must be in \[-2, 2\]"),
     (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
+    (dict(prompt_logprobs=1), r"prompt_logprobs is not supported \(got 1\)"),
     (dict(min_tokens=5, max_tokens=2), r"min_tokens \(5\) must not exceed max_tokens \(2\)"),
     (dict(min_tokens=-1), "min_tokens must be an integer >= 0"),
     (dict(seed="x"), "seed must be an integer"),

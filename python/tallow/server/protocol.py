@@ -217,6 +217,8 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
                           "min_tokens")
     if get_field(body, "logit_bias", "dict"):
         raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+    if body.get("prompt_logprobs") is not None:  # vLLM's extra parameter
+        raise bad_request("'prompt_logprobs' is not supported by this server", "prompt_logprobs")
     best_of = get_field(body, "best_of", "int", lo=1, hi=MAX_N)
     if best_of is not None and best_of != kw["n"]:
         raise bad_request("'best_of' other than n is not supported", "best_of")
