@@ -73,6 +73,11 @@ BAD_PARAMS = [
     (dict(presence_penalty=-3), r"presence_penalty must be in \[-2, 2\]"),
     (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
     (dict(prompt_logprobs=1), r"prompt_logprobs is not supported \(got 1\)"),
+    (dict(logit_bias=[5]), "logit_bias must be a dict of token id -> bias, got list"),
+    (dict(logit_bias={-1: 2.0}), r"logit_bias keys must be token ids \(integers >= 0\), got -1"),
+    (dict(logit_bias={"5": 2.0}), r"logit_bias keys must be token ids \(integers >= 0\), got '5'"),
+    (dict(logit_bias={5: 100.5}), r"logit_bias values must be numbers in \[-100, 100\], got 100.5 for token 5"),
+    (dict(logit_bias={5: math.nan}), r"logit_bias values must be numbers in \[-100, 100\], got nan for token 5"),
     (dict(min_tokens=5, max_tokens=2), r"min_tokens \(5\) must not exceed max_tokens \(2\)"),
     (dict(min_tokens=-1), "min_tokens must be an integer >= 0"),
     (dict(seed="x"), "seed must be an integer"),
@@ -90,6 +95,22 @@ def test_bad_sampling_params(llm, kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         llm.generate("t5 t6", sp)
     assert_clean(llm)
+
+
+def test_logit_bias(llm):
+    """A token out of the vocabulary is refused; +100 on one token makes greedy decoding emit only it,
+    -100 on the greedy choice moves it off that token; the engine forgets the bias when done."""
+    with pytest.raises(ValueError, match=f"logit_bias token id {VOCAB} is out of range: this model's vocabulary "
+                                         f"has ids 0..{VOCAB - 1}"):
+        llm.generate("t5", SamplingParams(logit_bias={VOCAB: 1.0}))
+    assert_clean(llm)
+    forced = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, logit_bias={42: 100}))[0]
+    assert forced.outputs[0].token_ids == [42] * 6
+    plain = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    banned = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=4, logit_bias={plain: -100}))[0]
+    assert plain not in banned.outputs[0].token_ids
+    assert_clean(llm)
+    assert not llm.engine.sampler._bias
 
 
 def test_params_must_be_sampling_params(llm):

@@ -83,6 +83,40 @@ def test_penalties_and_min_tokens_equal_sampler(device, dtype, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logit_bias_equals_sampler(device, dtype, rng):
+    """logit_bias (both signs, with and without penalties, greedy and seeded) adds what Sampler adds:
+    the greedy choices are equal, and so are the penalised logits the seeded draws start from."""
+    V, B = 300, 6
+    logits = (rng.standard_normal((B, V)) * 2).astype(np.float32)
+    top = np.argsort(-logits, axis=-1)
+    biases = [{int(top[0, 0]): -100.0}, {int(top[1, 5]): 4.5, int(top[1, 0]): -0.25},
+              {int(t): float(rng.uniform(-3, 3)) for t in top[2, :40]}, {}, {int(top[4, 3]): 0.37},
+              {int(top[5, 1]): 7.0, 299: -7.0}]
+    pen = [dict(), dict(repetition_penalty=1.3), dict(frequency_penalty=0.5), dict(), dict(presence_penalty=-1.0),
+           dict()]
+    reqs = [mk(prompt=[int(top[i, 1]), 4], out=[int(top[i, 0]), int(top[i, 2])], temperature=0.0, logit_bias=b, **p)
+            for i, (b, p) in enumerate(zip(biases, pen))]
+    rounded = on(logits, "cpu", dtype).to("float32").numpy()
+    gs, s = GpuSampler(V), Sampler(V)
+    got = [r.token_id for r in gs.sample(on(logits, device, dtype), reqs, set())]
+    want = [r.token_id for r in s.sample(rounded, reqs, set())]
+    assert got == want
+    assert got[0] != int(top[0, 0]) and got[1] != int(np.argmax(rounded[1]))  # the biases did act
+    # the logits after bias and penalties, bitwise: what the device sampler hands to sample_tokens
+    x = on(rounded, device)
+    for table in gs._bias_tables(reqs) + [gs._penalty_tables(reqs, set())]:
+        tallow.ops.apply_penalties(x, *(on(a, device, a.dtype.name) if a.dtype == np.float32
+                                        else _int_tensor(a, device) for a in table))
+    np.testing.assert_array_equal(x.to("cpu").numpy(), s.apply_penalties(rounded, reqs, set()))
+
+
+def _int_tensor(a, device):
+    t = tallow.from_numpy(np.ascontiguousarray(a))
+    return t if device == "cpu" else t.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_seeded_requests_ignore_the_batch(device, rng):
     V = 500
     logits = (rng.standard_normal((5, V)) * 2).astype(np.float32)

@@ -325,6 +325,44 @@ def test_greedy_sees_penalties():
     assert Sampler(3).sample(logits, [mk([0], [], temperature=0, frequency_penalty=1.0)], set())[0].token_id == 0
 
 
+# -- logit_bias ----------------------------------------------------------------------------------------
+def test_logit_bias_is_added_before_the_penalties():
+    """Each biased logit gets its bias (in whole 2^-16 steps: 0.3 becomes 19661 / 65536), then the
+    repetition penalty sees the biased value (vLLM's order); other rows and tokens are untouched."""
+    logits = np.array([[2.0, -1.5, 0.5, 3.0, -0.5], [1.0, 1.0, 1.0, 1.0, 1.0]], dtype=np.float32)
+    bias = {0: -3.0, 2: 0.3, 4: 100}
+    r = mk([0, 1], [2], repetition_penalty=2.0, logit_bias=bias)
+    got = Sampler(5).apply_penalties(logits, [r, mk()], set())
+    q03 = np.float32(round(0.3 * 65536) / 65536)
+    assert q03 != np.float32(0.3) and abs(q03 - 0.3) <= 2 ** -17
+    expected = logits[0].copy()
+    expected[0] = np.float32(2.0 - 3.0) * np.float32(2.0)  # biased to -1, then negative: multiplied
+    expected[1] = np.float32(-1.5) * np.float32(2.0)  # prompt token, no bias
+    expected[2] = (np.float32(0.5) + q03) / np.float32(2.0)  # output token, biased first
+    expected[4] = np.float32(-0.5) + np.float32(100)
+    np.testing.assert_array_equal(got[0], expected)
+    np.testing.assert_array_equal(got[1], logits[1])
+    np.testing.assert_array_equal(logits[0], [2.0, -1.5, 0.5, 3.0, -0.5])  # the input is not modified
+
+
+def test_logit_bias_steers_greedy_and_sampled_tokens(rng):
+    V = 50
+    logits = rng.normal(0, 1, (3, V)).astype(np.float32)
+    ban = int(np.argmax(logits[0]))
+    reqs = [mk(temperature=0, logit_bias={ban: -100}), mk(temperature=0, logit_bias={7: 100}),
+            mk(temperature=1.0, seed=3, logit_bias={t: -100 for t in range(V) if t not in (11, 12)})]
+    s = Sampler(V)
+    for _ in range(20):
+        got = [x.token_id for x in s.sample(logits, reqs, set())]
+        assert got[0] != ban and got[0] == int(np.argsort(-logits[0])[1])
+        assert got[1] == 7 and got[2] in (11, 12)
+        for r, t in zip(reqs, got):
+            r.output_token_ids.append(t)
+    for r in reqs:
+        s.forget(r.request_id)
+    assert not s._bias
+
+
 # -- min_tokens, EOS, stop ids ----------------------------------------------------------------------
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     V, eos = 8, {1}

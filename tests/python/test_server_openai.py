@@ -210,6 +210,21 @@ def test_completions_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_logit_bias(client, offline):
+    """OpenAI's logit_bias (string token ids -> [-100, 100]): +100 on "t42" makes greedy decoding emit
+    only it (chat and completions); -100 on the unbiased greedy first token moves the first token off it."""
+    r = client.completions.create(model="tiny", prompt="t5 t6 t7", max_tokens=4, temperature=0,
+                                  logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text.split() == ["t42"] * 4
+    c = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
+                                       logit_bias={"42": 100})
+    assert c.choices[0].message.content.split() == ["t42"] * 3
+    first = greedy_reference(offline, offline.get_tokenizer().encode("t5 t6 t7"), 1).token_ids[0]
+    r = client.completions.create(model="tiny", prompt="t5 t6 t7", max_tokens=1, temperature=0,
+                                  logit_bias={str(first): -100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text.split() != [f"t{first}"]
+
+
 # -- embeddings --------------------------------------------------------------------------------
 def test_embeddings(client):
     r = client.embeddings.create(model="tiny", input=["t5 t6 t7", "t8"])

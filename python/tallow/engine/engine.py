@@ -276,6 +276,10 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range: this model's vocabulary has ids 0..{vocab - 1}")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is out of range: this model's vocabulary has ids "
+                             f"0..{vocab - 1}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context (max_model_len) is "
                              f"{self.max_model_len}, which must also leave room for at least one generated token")

@@ -5,7 +5,10 @@ docstring gives the semantics) and runs tallow.ops.apply_penalties / logprobs / 
 Per step the host builds the per-row parameters in numpy and uploads them in one copy (one int64
 buffer viewed as the six parameter vectors). Penalties and min_tokens bans go through one [B, L]
 (id, count) table: per request the ids of prompt + output with their output counts, kept up to date
-incrementally (no pass over the prompt per step); banned ids get count -1.
+incrementally (no pass over the prompt per step); banned ids get count -1. logit_bias goes through
+the same op before that, as two more tables with repetition 1 and presence 0: the positive biases as
+counts of LOGIT_BIAS_STEP with frequency -LOGIT_BIAS_STEP, the negative ones with +LOGIT_BIAS_STEP
+(the products are exact in float32, so this adds what Sampler adds).
 
 Draws differ from Sampler's (a counter-based Gumbel-max instead of numpy generators) but follow the
 same distribution. Seeds: a request's params.seed, else a random one drawn when it is first seen;
@@ -21,6 +24,7 @@ import numpy as np
 import tallow
 from tallow.engine.request import Request
 from tallow.engine.sampler import SampleResult
+from tallow.engine.sampling_params import LOGIT_BIAS_STEP
 
 _U64 = 1 << 64
 
@@ -78,12 +82,14 @@ class GpuSampler:
         self.vocab_size = vocab_size
         self._seeds: dict[str, int] = {}
         self._penalty: dict[str, _PenaltyRow] = {}
+        self._bias: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._pinned = _PinnedRing()
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished or aborted request's seed and penalty state."""
+        """Drop a finished or aborted request's seed, penalty and logit-bias state."""
         self._seeds.pop(request_id, None)
         self._penalty.pop(request_id, None)
+        self._bias.pop(request_id, None)
 
     def _seed(self, req: Request) -> int:
         s = self._seeds.get(req.request_id)
@@ -154,6 +160,38 @@ class GpuSampler:
         pres = np.array([r.params.presence_penalty for r in reqs], dtype=np.float32)
         return tid, tcnt, rep, freq, pres
 
+    def _bias_tables(self, reqs: list[Request]) -> list[tuple[np.ndarray, ...]]:
+        """apply_penalties arguments adding the requests' logit_bias (up to two tables: positive and
+        negative biases); empty when no request has one."""
+        rows = []
+        for req in reqs:
+            b = None
+            if req.params.logit_bias:
+                b = self._bias.get(req.request_id)
+                if b is None:
+                    ids, steps = req.params.logit_bias_steps()
+                    ids, steps = np.asarray(ids, dtype=np.int64), np.asarray(steps, dtype=np.int64)
+                    ok = (ids < self.vocab_size) & (steps != 0)
+                    b = self._bias[req.request_id] = (ids[ok].astype(np.int32), steps[ok])
+            rows.append(b)
+        if all(b is None for b in rows):
+            return []
+        B, tables = len(reqs), []
+        for sign in (1, -1):
+            picked = [None if b is None else (b[0][b[1] * sign > 0], (b[1][b[1] * sign > 0] * sign)) for b in rows]
+            L = max((len(p[0]) for p in picked if p is not None), default=0)
+            if L == 0:
+                continue
+            tid = np.full((B, L), -1, dtype=np.int32)
+            tcnt = np.zeros((B, L), dtype=np.int32)
+            for i, p in enumerate(picked):
+                if p is not None:
+                    tid[i, :len(p[0])] = p[0]
+                    tcnt[i, :len(p[1])] = p[1]
+            freq = np.full(B, -sign * LOGIT_BIAS_STEP, dtype=np.float32)
+            tables.append((tid, tcnt, np.ones(B, dtype=np.float32), freq, np.zeros(B, dtype=np.float32)))
+        return tables
+
     # -- sampling ------------------------------------------------------------------------------------
     def sample(self, logits: tallow.Tensor, reqs: list[Request], eos_ids: set[int]) -> list[SampleResult]:
         return self.launch(logits, reqs, eos_ids).results() if reqs else []
@@ -174,13 +212,15 @@ class GpuSampler:
         raw = logits
         x = logits
         pen = self._penalty_tables(reqs, eos_ids)
-        if pen is not None:
+        tables = self._bias_tables(reqs) + ([pen] if pen is not None else [])  # logit_bias first
+        if tables:
             if x.dtype != tallow.float32:
                 x = tallow.ops.cast(x, tallow.float32)
             elif num_top is not None:
                 x = x.clone()  # logprobs are of the raw logits
             x = x.contiguous()
-            tallow.ops.apply_penalties(x, *(up(a) for a in pen))
+            for table in tables:
+                tallow.ops.apply_penalties(x, *(up(a) for a in table))
         tokens_t = tallow.ops.sample_tokens(x, **self._params(reqs, device))
         lp = tallow.ops.logprobs(raw, tokens_t, num_top) if num_top is not None else None
         return LaunchedSample(reqs, tokens_t, lp, self._pinned)

@@ -5,6 +5,8 @@ Semantics (vLLM's / Hugging Face's):
 - repetition_penalty over prompt + output tokens: a positive logit is divided by it, a negative one
   multiplied; frequency_penalty * count + presence_penalty is subtracted for each token of the
   output so far. Penalties apply before temperature, and greedy decoding sees them too.
+- logit_bias (token id -> value) is added first, before the penalties (vLLM's order), in whole steps
+  of 2^-16 (LOGIT_BIAS_STEP: the device samplers add it through the penalty op's integer counts).
 - while a request has fewer than min_tokens output tokens, its stop token ids and (unless
   ignore_eos) the EOS ids are masked out.
 - temperature < 1e-5 is greedy (argmax). Otherwise logits / temperature, then top-k (ties with the
@@ -28,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from tallow.engine.request import Request
-from tallow.engine.sampling_params import GREEDY_EPS
+from tallow.engine.sampling_params import GREEDY_EPS, LOGIT_BIAS_STEP
 
 _TOP_P_CANDIDATES = 256  # top-p first looks at this many most probable tokens, then sorts the row
 _BLOCK = 256  # block size of the two-level CDF search
@@ -89,11 +91,24 @@ class Sampler:
         self.vocab_size = vocab_size
         self._rngs: dict[str, np.random.Generator] = {}
         self._penalty: dict[str, _PenaltyState] = {}
+        self._bias: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished or aborted request's generator and penalty state."""
+        """Drop a finished or aborted request's generator, penalty and logit-bias state."""
         self._rngs.pop(request_id, None)
         self._penalty.pop(request_id, None)
+        self._bias.pop(request_id, None)
+
+    def _logit_bias(self, req: Request) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(token ids, float32 values) of the request's logit_bias in whole steps, None without one."""
+        if not req.params.logit_bias:
+            return None
+        b = self._bias.get(req.request_id)
+        if b is None:
+            ids, steps = req.params.logit_bias_steps()
+            b = self._bias[req.request_id] = (np.asarray(ids, dtype=np.int64),
+                                              (np.asarray(steps, dtype=np.float64) * LOGIT_BIAS_STEP).astype(np.float32))
+        return b
 
     def _rng(self, req: Request) -> np.random.Generator:
         rng = self._rngs.get(req.request_id)
@@ -111,14 +126,20 @@ class Sampler:
 
     # -- logits processing -----------------------------------------------------------------------
     def apply_penalties(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]) -> np.ndarray:
-        """Repetition / frequency / presence penalties and min_tokens masks on [batch, vocab]
+        """logit_bias, repetition / frequency / presence penalties and min_tokens masks on [batch, vocab]
         logits. Returns `logits` itself when nothing applies, else a modified copy."""
         V = logits.shape[-1]
         rep_r, rep_t, rep_v = [], [], []
         fp_r, fp_t, fp_v = [], [], []
         ban_r, ban_t = [], []
+        bias_r, bias_t, bias_v = [], [], []
         for i, req in enumerate(reqs):
             p = req.params
+            b = self._logit_bias(req)
+            if b is not None:
+                bias_r.append(np.full(len(b[0]), i, dtype=np.int64))
+                bias_t.append(b[0])
+                bias_v.append(b[1])
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 st = self._penalty_state(req)
                 if p.repetition_penalty != 1.0:
@@ -138,9 +159,13 @@ class Sampler:
                 banned = [t for t in banned if 0 <= t < V]
                 ban_r.extend([i] * len(banned))
                 ban_t.extend(banned)
-        if not (rep_r or fp_r or ban_r):
+        if not (rep_r or fp_r or ban_r or bias_r):
             return logits
         out = np.array(logits, dtype=np.float32, copy=True)
+        if bias_r:
+            r, t, v = np.concatenate(bias_r), np.concatenate(bias_t), np.concatenate(bias_v)
+            ok = (t >= 0) & (t < V)
+            out[r[ok], t[ok]] += v[ok]  # (row, token) pairs are unique
         if rep_r:
             r, t, pen = np.concatenate(rep_r), np.concatenate(rep_t), np.concatenate(rep_v)
             ok = (t >= 0) & (t < V)

@@ -9,6 +9,10 @@ from typing import Optional
 # Fields a server-wide default (EngineArgs) may fill when a request leaves them unset (None).
 DEFAULTABLE = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule)
+# logit_bias values are applied in steps of 2^-16 (the samplers add whole steps: sampler.py), at most
+# 100 in size (OpenAI's range).
+LOGIT_BIAS_STEP = 2.0 ** -16
+LOGIT_BIAS_MAX = 100.0
 
 
 @dataclasses.dataclass
@@ -32,6 +36,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only, no text (and no stop strings), as vLLM's
+    logit_bias: Optional[dict[int, float]] = None  # token id -> value added to its logit before sampling
 
     def __post_init__(self) -> None:
         # which defaultable fields the caller left unset (the engine may fill them from its defaults)
@@ -52,6 +57,10 @@ class SamplingParams:
             raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list of token ids, "
                              f"got {type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
         self.stop_token_ids = self.stop_token_ids or []
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"invalid sampling parameter: logit_bias must be a dict of token id -> bias, "
+                             f"got {type(self.logit_bias).__name__} {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.validate()
 
     @property
@@ -118,6 +127,21 @@ class SamplingParams:
             bad(f"prompt_logprobs is not supported (got {self.prompt_logprobs!r}); logprobs covers the output")
         if self.seed is not None and not is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for t, v in self.logit_bias.items():
+                if not is_int(t) or t < 0:
+                    bad(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if not is_real(v) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
+                    bad(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}")
+
+    def logit_bias_steps(self) -> Optional[tuple[list[int], list[int]]]:
+        """(token ids, biases in whole LOGIT_BIAS_STEPs) of logit_bias, None when it is empty."""
+        if not self.logit_bias:
+            return None
+        ids = [int(t) for t in self.logit_bias]
+        return ids, [int(round(float(v) / LOGIT_BIAS_STEP)) for v in self.logit_bias.values()]
 
     @property
     def greedy(self) -> bool:

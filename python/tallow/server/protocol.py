@@ -177,8 +177,9 @@ def _stop_list(body: dict) -> Optional[list[str]]:
 
 
 def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optional[int], logprobs: Optional[int],
-                    skip_special_tokens: bool = True) -> SamplingParams:
-    """The sampling fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
+                    skip_special_tokens: bool = True, vocab_size: int = 0) -> SamplingParams:
+    """The sampling fields shared by chat and completions (OpenAI's plus vLLM's extensions); token ids
+    (logit_bias) are checked against vocab_size when it is given."""
     max_tokens = get_field(body, "max_completion_tokens", "int", lo=1, hi=_INT64)
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", "int", lo=1, hi=_INT64)
@@ -215,8 +216,7 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
     if kw["max_tokens"] is not None and kw["min_tokens"] > kw["max_tokens"]:
         raise bad_request(f"'min_tokens' ({kw['min_tokens']}) must not exceed max_tokens ({kw['max_tokens']})",
                           "min_tokens")
-    if get_field(body, "logit_bias", "dict"):
-        raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+    kw["logit_bias"] = _logit_bias(body, vocab_size)
     if body.get("prompt_logprobs") is not None:  # vLLM's extra parameter
         raise bad_request("'prompt_logprobs' is not supported by this server", "prompt_logprobs")
     best_of = get_field(body, "best_of", "int", lo=1, hi=MAX_N)
@@ -226,6 +226,26 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
         return SamplingParams(**kw)
     except ValueError as e:
         raise bad_request(str(e)) from None
+
+
+def _logit_bias(body: dict, vocab_size: int) -> Optional[dict[int, float]]:
+    """logit_bias as {token id: bias}: JSON keys are strings of token ids (below vocab_size when it is
+    given), values numbers in [-100, 100]."""
+    raw = get_field(body, "logit_bias", "dict")
+    if not raw:
+        return None
+    out = {}
+    for k, v in raw.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 19):
+            raise bad_request(f"'logit_bias' keys must be token ids (strings of digits), got {k!r}", "logit_bias")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {_json_type(v)} "
+                              f"{v!r} for token {k}", "logit_bias")
+        if vocab_size and int(k) >= vocab_size:
+            raise bad_request(f"'logit_bias' token id {k} is out of range: this model's vocabulary has ids "
+                              f"0..{vocab_size - 1}", "logit_bias")
+        out[int(k)] = float(v)
+    return out
 
 
 def stream_options(body: dict, stream: bool) -> bool:

@@ -258,7 +258,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     skip_special = not ((parser is not None and st.tool_markers_special) or (st.reasoning and st.think_special))
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
                                logprobs=(top_logprobs or 0) if want_logprobs else None,
-                               skip_special_tokens=skip_special)
+                               skip_special_tokens=skip_special, vocab_size=st.vocab_size)
     _check_length(st, len(ids), "messages")
     _check_capacity(st)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -398,7 +398,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     logprobs = P.get_field(body, "logprobs", "int", None, lo=0, hi=P.MAX_LOGPROBS)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", "echo")
-    params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=16, logprobs=logprobs)
+    params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=16, logprobs=logprobs,
+                               vocab_size=st.vocab_size)
     tok = st.tokenizer
     inputs = []
     for i, p in enumerate(prompts):
