@@ -115,3 +115,5 @@ def _merge(final: dict[str, RequestOutput], texts: dict[tuple[str, int], list[st
         o.cumulative_logprob = d.cumulative_logprob
         o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
     cur.finished = delta.finished
+    if delta.prompt_logprobs is not None:
+        cur.prompt_logprobs = delta.prompt_logprobs

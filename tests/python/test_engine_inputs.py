@@ -72,7 +72,7 @@ BAD_PARAMS = [
     (dict(frequency_penalty=2.5), r"frequency_penalty must be in \[-2, 2\]"),
     (dict(presence_penalty=-3), r"presence_penalty must be in \[-2, 2\]"),
     (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
-    (dict(prompt_logprobs=1), r"prompt_logprobs is not supported \(got 1\)"),
+    (dict(prompt_logprobs=21), r"prompt_logprobs must be an integer in \[0, 20\]"),
     (dict(logit_bias=[5]), "logit_bias must be a dict of token id -> bias, got list"),
     (dict(logit_bias={-1: 2.0}), r"logit_bias keys must be token ids \(integers >= 0\), got -1"),
     (dict(logit_bias={"5": 2.0}), r"logit_bias keys must be token ids \(integers >= 0\), got '5'"),

@@ -122,10 +122,11 @@ def test_chat_bad_parameters(server, body, param):
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": [5, 10**9]}, "prompt"),
     ({"prompt": "t5", "logprobs": 50}, "logprobs"),
-    ({"prompt": "t5", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "t5", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     ({"prompt": "t5", "suffix": "x"}, "suffix"),
     ({"prompt": "t5", "best_of": 3}, "best_of"),
-    ({"prompt": "t5", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "t5", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "t5", "prompt_logprobs": "1"}, "prompt_logprobs"),
 ])
 def test_completions_bad_parameters(server, body, param):
     assert_error(post(server, "/v1/completions", body), 400, param=param)

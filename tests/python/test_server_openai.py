@@ -210,6 +210,31 @@ def test_completions_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(client, offline):
+    """echo + logprobs (how evaluation harnesses score a text): the prompt's tokens come first, the
+    first with a null log-prob, the others with the offline engine's prompt log-probs; vLLM's
+    prompt_logprobs field carries the same numbers by token id."""
+    prompt = "t5 t6 t7 t8 t9"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2,
+                                  extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    ch = r.choices[0]
+    lp = ch.logprobs
+    ids = offline.get_tokenizer().encode(prompt)
+    ref = offline.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                                                     prompt_logprobs=2, logprobs=2))[0]
+    assert ch.text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    assert lp.tokens[:len(ids)] == prompt.split() and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][ids[i]].logprob, abs=1e-5)
+        assert len(lp.top_logprobs[i]) == 2
+    assert lp.token_logprobs[-1] == pytest.approx(ref.outputs[0].logprobs[0][ref.outputs[0].token_ids[0]].logprob,
+                                                  abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset)
+    plp = ch.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert plp[2][str(ids[2])]["logprob"] == pytest.approx(ref.prompt_logprobs[2][ids[2]].logprob, abs=1e-5)
+
+
 def test_logit_bias(client, offline):
     """OpenAI's logit_bias (string token ids -> [-100, 100]): +100 on "t42" makes greedy decoding emit
     only it (chat and completions); -100 on the unbiased greedy first token moves the first token off it."""

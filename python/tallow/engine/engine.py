@@ -62,6 +62,9 @@ class _Group:
         self.prompt_ids = prompt_ids
         self.params = params
         self.seqs: list[_Sequence] = []
+        # prompt_logprobs: entries by prompt position as they arrive (chunks), then the whole list
+        self.prompt_lp: Optional[dict[int, dict[int, Logprob]]] = {} if params.prompt_logprobs is not None else None
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     @property
     def finished(self) -> bool:
@@ -291,10 +294,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self._apply_defaults(params)
         group = _Group(request_id, text, ids, params)
+        if group.prompt_lp is not None and len(ids) == 1:
+            group.prompt_logprobs = [None]
         max_stop = max((len(s) for s in params.stop), default=0)
         parent = None
         for i in range(params.n):
-            p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i,
+                                                          prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = rids[i]
             req = Request(rid, ids, p, self.max_model_len, parent=parent)
             parent = parent or req
@@ -355,6 +361,7 @@ class LLMEngine:
                      if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens]
         timing = self._timing_events()
         logits = self.runner.execute(out, to_sample)
+        self._take_prompt_logprobs()
         self.scheduler.after_step(out)
         launched = self.sampler.launch(logits, to_sample, self.eos_ids) if to_sample else None
         if timing is not None:
@@ -421,6 +428,7 @@ class LLMEngine:
         to_sample = [r for r in out.requests
                      if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens]
         logits = self.runner.execute(out, to_sample)
+        self._take_prompt_logprobs()
         t2 = time.perf_counter()
         self.scheduler.after_step(out)
         results = self.sampler.sample(logits, to_sample, self.eos_ids) if to_sample else []
@@ -438,6 +446,24 @@ class LLMEngine:
         self.stats["sample_s"] += t3 - t2
         self.stats["steps"] += 1
         return [self._delta_output(g) for g in changed.values()]
+
+    def _take_prompt_logprobs(self) -> None:
+        """File the step's prompt log-probs (runner.take_prompt_logprobs) under their groups; a group's
+        list is complete once every prompt position after the first has its entry."""
+        for rid, entries in self.runner.take_prompt_logprobs().items():
+            found = self._seq_of.get(rid)
+            if found is None or found[0].prompt_lp is None:
+                continue
+            group = found[0]
+            decode = self.tokenizer.decode
+            for pos, token, lp, rank, top in entries:  # pos: the position of `token` in the prompt
+                entry = {token: Logprob(lp, rank=rank, decoded_token=decode([token], False))}
+                for r, (t, v) in enumerate(top, start=1):
+                    entry.setdefault(t, Logprob(v, rank=r, decoded_token=decode([t], False)))
+                group.prompt_lp[pos] = entry
+            n = len(group.prompt_ids)
+            if group.prompt_logprobs is None and len(group.prompt_lp) == n - 1:
+                group.prompt_logprobs = [None] + [group.prompt_lp[i] for i in range(1, n)]
 
     def _append(self, group: _Group, seq: _Sequence, res, num_out: int) -> None:
         """Apply sampled token res (already stored as output token num_out - 1): logprobs, stop checks,
@@ -508,7 +534,7 @@ class LLMEngine:
         if finished:
             self.groups.pop(group.request_id, None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
-                             group.seqs[0].req.num_cached_tokens, delta=True)
+                             group.seqs[0].req.num_cached_tokens, delta=True, prompt_logprobs=group.prompt_logprobs)
 
     # -- embeddings (the server's /v1/embeddings) ------------------------------------------------
     def embed(self, prompts: list[PromptType], pooling: str = "last", normalize: bool = True

@@ -37,7 +37,10 @@ class KVCacheManager:
     # -- scheduling API --------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of whole blocks, leaving at least one token to compute (its
-        logits are needed). Live blocks of other requests count too (n > 1 siblings share them)."""
+        logits are needed). Live blocks of other requests count too (n > 1 siblings share them).
+        A request asking for prompt log-probs computes its whole prompt (none are cached)."""
+        if req.params.prompt_logprobs is not None:
+            return [], 0
         self._update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -35,6 +35,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     delta: bool = False  # outputs hold only what is new since the last RequestOutput
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first, else {token id: Logprob}
+    # holding the prompt token (its log-probability given the tokens before it, and rank) and the top
+    # prompt_logprobs tokens; set once the whole prompt has been processed.
+    prompt_logprobs: Optional[list[Optional[dict[int, "Logprob"]]]] = None
 
     @property
     def prompt_tokens(self) -> int:

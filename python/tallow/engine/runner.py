@@ -74,6 +74,10 @@ class ModelRunner:
         self.split_eager_decode = False
         self.stats = {"graph_steps": 0, "eager_steps": 0}
         self.num_decode_seqs = 0  # of the step being run (see _fill)
+        # prompt_logprobs: (request, first position, end position, first row, top) of each request's
+        # prompt positions in the step being run (see _fill), and what take_prompt_logprobs hands out
+        self._prompt_spans: list[tuple[Request, int, int, int, int]] = []
+        self._prompt_lp_out: dict[str, list] = {}
 
     # -- KV cache ---------------------------------------------------------------------------------
     @staticmethod
@@ -122,9 +126,13 @@ class ModelRunner:
         t = 0
         last_row: dict[str, int] = {}
         inp.qsl[0] = 0
+        self._prompt_spans = []
         for i, req in enumerate(out.requests):
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
+            end = min(start + n, req.num_prompt_tokens - 1)  # positions whose next token is in the prompt
+            if req.params.prompt_logprobs is not None and end > start:
+                self._prompt_spans.append((req, start, end, t, req.params.prompt_logprobs))
             block_ids = self.kv.block_ids(req)
             nb = len(block_ids)
             row = inp.bt[i]
@@ -151,14 +159,47 @@ class ModelRunner:
 
     # -- running ----------------------------------------------------------------------------------
     def _forward(self, num_tokens: int, num_seqs: int, num_rows: int, all_rows: bool,
-                 num_decode_seqs: int = 0) -> tallow.Tensor:
+                 num_decode_seqs: int = 0, prompt_spans=()) -> tallow.Tensor:
         ids, pos, meta, rows = self.inputs.views(num_tokens, num_seqs, num_rows, num_decode_seqs)
         if self.prev_ids is not None:
             tallow.ops.fill_from_previous_(ids, self.prev_ids)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+        if prompt_spans:
+            self._prompt_logprobs(hidden, prompt_spans)
         if not all_rows:
             hidden = tallow.ops.embedding(rows, hidden)  # the rows that need logits
         return self.model.compute_logits(hidden)
+
+    def _prompt_logprobs(self, hidden: tallow.Tensor, spans) -> None:
+        """Log-probs of the prompt tokens after each span's positions (ops.logprobs over their logits, in
+        slices of max_num_seqs rows: no more logits at once than a decode step makes), read back to the
+        host (a wait, for these requests only) into _prompt_lp_out."""
+        rows = np.concatenate([np.arange(t0, t0 + end - start) for _, start, end, t0, _ in spans])
+        targets = np.concatenate([np.asarray(req.prompt_token_ids[start + 1:end + 1], dtype=np.int32)
+                                  for req, start, end, _, _ in spans])
+        top = max(k for *_, k in spans)
+        vals, ids, ranks = [], [], []
+        for a in range(0, rows.size, self.max_num_seqs):
+            b = min(a + self.max_num_seqs, rows.size)
+            logits = self.model.compute_logits(tallow.ops.embedding(self.tensor(rows[a:b].astype(np.int64)), hidden))
+            v, i, r = tallow.ops.logprobs(logits, self.tensor(targets[a:b]), top)
+            vals.append(np.asarray(v.to("cpu").numpy()))
+            ids.append(np.asarray(i.to("cpu").numpy()))
+            ranks.append(np.asarray(r.to("cpu").numpy()))
+        vals, ids, ranks = np.concatenate(vals), np.concatenate(ids), np.concatenate(ranks)
+        at = 0
+        for req, start, end, _, k in spans:
+            out = self._prompt_lp_out.setdefault(req.request_id, [])
+            for j in range(at, at + end - start):
+                out.append((start + 1 + j - at, int(targets[j]), float(vals[j, 0]), int(ranks[j]),
+                            [(int(ids[j, 1 + c]), float(vals[j, 1 + c])) for c in range(k)]))
+            at += end - start
+
+    def take_prompt_logprobs(self) -> dict[str, list]:
+        """Prompt log-probs computed since the last call: per request id, (position of the prompt token,
+        token, log-prob, rank, [(token, log-prob)] of the top prompt_logprobs) entries."""
+        out, self._prompt_lp_out = self._prompt_lp_out, {}
+        return out
 
     def _forward_halves(self, bs: int) -> tallow.Tensor:
         """A decode step of bs sequences as two halves, each through every layer on its own stream
@@ -210,11 +251,11 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput, sample_reqs: list[Request]) -> Optional[tallow.Tensor]:
         num_tokens, num_seqs, last_row = self._fill(out, sample_reqs)
-        inp = self.inputs
+        inp, spans = self.inputs, self._prompt_spans
         rows = [last_row[r.request_id] for r in sample_reqs]
         decode_only = num_tokens == num_seqs and len(rows) == num_seqs and rows == list(range(num_seqs))
         with self.on_stream():
-            bucket = self.graphs.bucket(num_seqs) if (self.graphs_enabled and decode_only) else None
+            bucket = self.graphs.bucket(num_seqs) if (self.graphs_enabled and decode_only and not spans) else None
             if bucket is not None:
                 inp.fill_padding(num_seqs, bucket, num_tokens)
                 inp.upload(bucket)
@@ -227,13 +268,15 @@ class ModelRunner:
                 ids, pos, meta, _ = inp.views(num_tokens, num_seqs, 0, self.num_decode_seqs)
                 if self.prev_ids is not None:
                     tallow.ops.fill_from_previous_(ids, self.prev_ids)
-                self.model.forward(ids, pos, self.kv_caches, meta)
+                hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+                if spans:
+                    self._prompt_logprobs(hidden, spans)
                 return None
             inp.rows[:len(rows)] = rows
             inp.upload(num_seqs)
-            if decode_only and self.split_eager_decode and self._split_decode(num_seqs):
+            if decode_only and not spans and self.split_eager_decode and self._split_decode(num_seqs):
                 return self._forward_halves(num_seqs)
-            return self._forward(num_tokens, num_seqs, len(rows), decode_only, self.num_decode_seqs)
+            return self._forward(num_tokens, num_seqs, len(rows), decode_only, self.num_decode_seqs, spans)
 
     def keep_sampled(self, ids: tallow.Tensor) -> None:
         """Remember this step's sampled ids [B] on the device for the next step's unknown tokens."""

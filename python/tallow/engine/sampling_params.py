@@ -32,7 +32,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top logprobs per sampled token (0: only the sampled one)
-    prompt_logprobs: Optional[int] = None  # not supported: anything but None is refused
+    prompt_logprobs: Optional[int] = None  # top log-probs per prompt token (0: only the prompt token's own)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only, no text (and no stop strings), as vLLM's
@@ -121,10 +121,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {t!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:  # vLLM's field, so that it is refused rather than ignored
-            bad(f"prompt_logprobs is not supported (got {self.prompt_logprobs!r}); logprobs covers the output")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 0 or v > 20):
+                bad(f"{name} must be an integer in [0, 20], got {v!r}")
         if self.seed is not None and not is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}")
         if self.logit_bias is not None:

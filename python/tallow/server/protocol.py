@@ -217,8 +217,7 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
         raise bad_request(f"'min_tokens' ({kw['min_tokens']}) must not exceed max_tokens ({kw['max_tokens']})",
                           "min_tokens")
     kw["logit_bias"] = _logit_bias(body, vocab_size)
-    if body.get("prompt_logprobs") is not None:  # vLLM's extra parameter
-        raise bad_request("'prompt_logprobs' is not supported by this server", "prompt_logprobs")
+    kw["prompt_logprobs"] = get_field(body, "prompt_logprobs", "int", None, lo=0, hi=MAX_LOGPROBS)  # vLLM's
     best_of = get_field(body, "best_of", "int", lo=1, hi=MAX_N)
     if best_of is not None and best_of != kw["n"]:
         raise bad_request("'best_of' other than n is not supported", "best_of")

@@ -186,6 +186,27 @@ def completion_logprobs(st, lps, token_ids, k: int, offset: int) -> tuple[dict, 
     return res, offset
 
 
+def prompt_completion_logprobs(st, prompt_lps, prompt_ids, k: int) -> tuple[dict, int]:
+    """The echoed prompt's part of a completion's logprobs: the first token has none (null), the
+    others their log-probability given the tokens before them and their top k (prompt_logprobs)."""
+    first = st.tokenizer.decode([prompt_ids[0]], False)
+    res = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    rest, offset = completion_logprobs(st, (prompt_lps or [None])[1:], prompt_ids[1:], k, len(first))
+    for key in res:
+        res[key] += rest[key]
+    return res, offset
+
+
+def _prompt_logprobs_json(prompt_lps) -> Optional[list]:
+    """vLLM's prompt_logprobs field: null for the first prompt token, then {token id: {logprob, rank,
+    decoded_token}} per token."""
+    if prompt_lps is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _lp(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for t, v in e.items()}
+            for e in prompt_lps]
+
+
 # -- chat --------------------------------------------------------------------------------------
 class _ChoiceState:
     """Turns one choice's text deltas into reasoning, content and tool-call deltas."""
@@ -396,10 +417,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("'suffix' is not supported", "suffix")
     echo = P.get_field(body, "echo", "bool", False)
     logprobs = P.get_field(body, "logprobs", "int", None, lo=0, hi=P.MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", "echo")
+    if echo and logprobs is not None and stream:
+        raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported when streaming",
+                          "echo")
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=16, logprobs=logprobs,
                                vocab_size=st.vocab_size)
+    want_prompt_lps = params.prompt_logprobs is not None  # vLLM's prompt_logprobs field in each choice
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry their log-probs too
+        params = params.clone(prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
     tok = st.tokenizer
     inputs = []
     for i, p in enumerate(prompts):
@@ -429,20 +454,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _completion_stream(request, st, streams, t0, meta, params.n, inputs, echoes,
                                             include_usage, logprobs)
-        return await _completion_full(st, streams, t0, meta, params.n, inputs, echoes, logprobs)
+        return await _completion_full(st, streams, t0, meta, params.n, inputs, echoes, logprobs,
+                                      echo and logprobs is not None, want_prompt_lps)
     finally:
         for s in streams:
             s.abort()
 
 
-async def _completion_full(st, streams, t0, meta, n, inputs, echoes, logprobs) -> web.Response:
+async def _completion_full(st, streams, t0, meta, n, inputs, echoes, logprobs, echo_lps=False,
+                           want_prompt_lps=False) -> web.Response:
     texts = [[e] * n for e in echoes]
     toks = [[[] for _ in range(n)] for _ in inputs]
     lps = [[[] for _ in range(n)] for _ in inputs]
     fin = [[(None, None)] * n for _ in inputs]
+    prompt_lps = [None] * len(inputs)
     cached = 0
     try:
         async for k, out in _merged(st, streams, t0):
+            if out.prompt_logprobs is not None:
+                prompt_lps[k] = out.prompt_logprobs
             if out.finished:
                 cached += out.num_cached_tokens
             for o in out.outputs:
@@ -458,11 +488,18 @@ async def _completion_full(st, streams, t0, meta, n, inputs, echoes, logprobs) -
     for k in range(len(inputs)):
         for i in range(n):
             lp = None
-            if logprobs is not None:
+            if echo_lps:
+                lp, offset = prompt_completion_logprobs(st, prompt_lps[k], inputs[k][0], logprobs)
+                gen, _ = completion_logprobs(st, lps[k][i], toks[k][i], logprobs, len(echoes[k]))
+                for key in lp:
+                    lp[key] += gen[key]
+            elif logprobs is not None:
                 lp, _ = completion_logprobs(st, lps[k][i], toks[k][i], logprobs, len(echoes[k]))
             choice = {"index": k * n + i, "text": texts[k][i], "logprobs": lp, "finish_reason": fin[k][i][0]}
             if fin[k][i][1] is not None:
                 choice["stop_reason"] = fin[k][i][1]
+            if want_prompt_lps:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps[k])
             choices.append(choice)
     n_prompt = sum(len(ids) for ids, _ in inputs)
     n_out = sum(len(t) for row in toks for t in row)
