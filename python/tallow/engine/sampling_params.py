@@ -57,10 +57,8 @@ class SamplingParams:
             raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list of token ids, "
                              f"got {type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
         self.stop_token_ids = self.stop_token_ids or []
-        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise ValueError(f"invalid sampling parameter: logit_bias must be a dict of token id -> bias, "
-                             f"got {type(self.logit_bias).__name__} {self.logit_bias!r}")
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if isinstance(self.logit_bias, dict):  # a copy (validate() refuses anything else)
+            self.logit_bias = dict(self.logit_bias) or None
         self.validate()
 
     @property
