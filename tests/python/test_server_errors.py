@@ -93,6 +93,7 @@ def assert_error(r, status, param=None, code=None, contains=None):
     ({"messages": MSGS, "logit_bias": {"5": "1"}}, "logit_bias"),
     ({"messages": MSGS, "logit_bias": {"1000000": 1}}, "logit_bias"),
     ({"messages": MSGS, "logit_bias": [5]}, "logit_bias"),
+    ({"messages": MSGS, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MSGS, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": MSGS, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
@@ -127,6 +128,7 @@ def test_chat_bad_parameters(server, body, param):
     ({"prompt": "t5", "best_of": 3}, "best_of"),
     ({"prompt": "t5", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "t5", "prompt_logprobs": "1"}, "prompt_logprobs"),
+    ({"prompt": "t5", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
 def test_completions_bad_parameters(server, body, param):
     assert_error(post(server, "/v1/completions", body), 400, param=param)

@@ -280,6 +280,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
                                logprobs=(top_logprobs or 0) if want_logprobs else None,
                                skip_special_tokens=skip_special, vocab_size=st.vocab_size)
+    if params.prompt_logprobs is not None:  # the chat response has no place for them (completions has)
+        raise bad_request("'prompt_logprobs' is supported by /v1/completions only", "prompt_logprobs")
     _check_length(st, len(ids), "messages")
     _check_capacity(st)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -423,6 +425,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=16, logprobs=logprobs,
                                vocab_size=st.vocab_size)
     want_prompt_lps = params.prompt_logprobs is not None  # vLLM's prompt_logprobs field in each choice
+    if want_prompt_lps and stream:
+        raise bad_request("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
     if echo and logprobs is not None:  # the echoed prompt's tokens carry their log-probs too
         params = params.clone(prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
     tok = st.tokenizer
