@@ -71,21 +71,25 @@ def write_model_dir(root: str, name: str, config: dict, tokenizer: bool) -> str:
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     if tokenizer:
-        write_word_tokenizer(d, config["vocab_size"], config["eos_token_id"])
+        write_byte_level_tokenizer(d, config["vocab_size"], config["eos_token_id"])
     return d
 
 
-def write_word_tokenizer(d: str, vocab_size: int, eos_id: int) -> None:
-    """A WordLevel tokenizer ("t0".."tN", whitespace split): cheap to build and decode; it stands in for the
-    real BPE tokenizer only so the engine can detokenize."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def write_byte_level_tokenizer(d: str, vocab_size: int, eos_id: int) -> None:
+    """A byte-level BPE vocabulary of the model's size (the 256 byte symbols, then pieces " w<i>"),
+    decoded by a ``ByteLevel`` decoder as Qwen3's and Llama 3's real tokenizers are, so the engine
+    detokenizes at a real tokenizer's cost. It has no merges: benchmarks feed token ids, not text."""
+    from tokenizers import Tokenizer, decoders, models
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
+    from tallow.tokenizer.byte_level import byte_symbols
+
+    vocab = {c: i for i, c in enumerate(byte_symbols())}
+    vocab.update({f"\u0120w{i}": i for i in range(len(vocab), vocab_size)})  # \u0120 is the symbol of " "
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": f"t{eos_id}", "bos_token": None}, f)
+        json.dump({"eos_token": f"\u0120w{eos_id}", "bos_token": None}, f)
 
 
 def device_slug(name: str) -> str:

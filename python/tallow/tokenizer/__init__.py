@@ -4,11 +4,12 @@
     tok = Tokenizer.from_pretrained_dir("path/to/model")   # tokenizer.json or tokenizer.model
     tok = Tokenizer.from_gguf(GGUFFile("model.gguf"))      # or a path
     ids = tok.encode("Hello")                              # BOS added when the model asks for it
-    detok = IncrementalDetokenizer(tok, prompt_ids=ids)
+    detok = detokenizer_for(tok, prompt_ids=ids)            # an IncrementalDetokenizer or a faster
+                                                           # exact one for byte-level vocabularies
     for t in generated: print(detok.add(t), end="")
     print(detok.finish())
 """
-from tallow.tokenizer.detokenizer import IncrementalDetokenizer
+from tallow.tokenizer.detokenizer import IncrementalDetokenizer, detokenizer_for
 from tallow.tokenizer.gguf_vocab import GGUFVocab, GGUFVocabError, vocab_from_gguf
 from tallow.tokenizer.sentencepiece_model import SentencePieceModelError
 from tallow.tokenizer.tokenizer import Tokenizer, TokenizerError
@@ -29,6 +30,6 @@ def load_tokenizer(path) -> Tokenizer:
 
 
 __all__ = [
-    "Tokenizer", "TokenizerError", "NoChatTemplateError", "IncrementalDetokenizer", "GGUFVocab", "GGUFVocabError",
+    "Tokenizer", "TokenizerError", "NoChatTemplateError", "IncrementalDetokenizer", "detokenizer_for", "GGUFVocab", "GGUFVocabError",
     "SentencePieceModelError", "vocab_from_gguf", "load_tokenizer",
 ]

@@ -151,3 +151,14 @@ class IncrementalDetokenizer:
         if self._read == len(self.ids):
             return ""
         return self._step(final=True)
+
+
+def detokenizer_for(tokenizer, prompt_ids: Iterable[int] | None = None, skip_special_tokens: bool = True):
+    """The fastest detokenizer that is exact for this tokenizer: a ``ByteLevelDetokenizer`` (a table
+    lookup a token) for byte-level BPE vocabularies, else an ``IncrementalDetokenizer``."""
+    from tallow.tokenizer.byte_level import ByteLevelDetokenizer, byte_table
+
+    table = byte_table(tokenizer)
+    if table is not None:
+        return ByteLevelDetokenizer(tokenizer, table, prompt_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)

@@ -277,6 +277,7 @@ class Tokenizer:
         # characters of e.g. DeepSeek's added token "ü" as GPT-2 byte symbols (one invalid byte).
         # They decode to their own text instead, as llama.cpp does for user-defined tokens.
         self._raw_added: dict[int, str] = {}
+        self.__dict__.pop("_tallow_byte_table", None)  # byte_level.byte_table's cache
         decoder = self._tk.decoder
         if decoder is not None:
             for i, t in dec.items():
@@ -294,6 +295,11 @@ class Tokenizer:
     def backend_tokenizer(self):
         """The underlying ``tokenizers.Tokenizer``."""
         return self._tk
+
+    @property
+    def raw_added_tokens(self) -> dict[int, str]:
+        """Added tokens that ``decode`` gives as their own text rather than through the decoder."""
+        return self._raw_added
 
     @property
     def vocab_size(self) -> int:
