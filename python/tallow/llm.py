@@ -52,8 +52,8 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp in zip(prompts, params):  # only finished outputs come back (whole)
+                ids.append(self.engine.add_request(p, sp, final_only=True))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -56,8 +56,10 @@ class _Sequence:
 
 
 class _Group:
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                 final_only: bool = False):
         self.request_id = request_id
+        self.final_only = final_only  # step() returns this group's output once, when it finishes
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
@@ -69,6 +71,10 @@ class _Group:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
+
+    @property
+    def has_output(self) -> bool:
+        return not self.final_only or self.finished
 
 
 class LLMEngine:
@@ -265,8 +271,11 @@ class LLMEngine:
         return params.clone(**changes) if changes else params
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
-        """Validate and queue a request; raises ValueError before anything is scheduled."""
+                    request_id: Optional[str] = None, final_only: bool = False) -> str:
+        """Validate and queue a request; raises ValueError before anything is scheduled. With
+        final_only, step() returns no deltas for it but one RequestOutput holding the whole result
+        when it finishes (vLLM's FINAL_ONLY output kind: what offline generate needs, for less host
+        work a step)."""
         from tallow.tokenizer import detokenizer_for
 
         if params is None:
@@ -295,7 +304,7 @@ class LLMEngine:
         if request_id in self.groups or any(r in self._seq_of or r in self.scheduler.requests for r in rids):
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self._apply_defaults(params)
-        group = _Group(request_id, text, ids, params)
+        group = _Group(request_id, text, ids, params, final_only)
         if group.prompt_lp is not None and len(ids) == 1:
             group.prompt_logprobs = [None]
         max_stop = max((len(s) for s in params.stop), default=0)
@@ -416,7 +425,7 @@ class LLMEngine:
             self._append(group, seq, res, slot + 1)
             changed[group.request_id] = group
         self.stats["sample_s"] += time.perf_counter() - t0
-        return [self._delta_output(g) for g in changed.values()]
+        return [self._delta_output(g) for g in changed.values() if g.has_output]
 
     def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -447,7 +456,7 @@ class LLMEngine:
         self.stats["model_s"] += t2 - t1
         self.stats["sample_s"] += t3 - t2
         self.stats["steps"] += 1
-        return [self._delta_output(g) for g in changed.values()]
+        return [self._delta_output(g) for g in changed.values() if g.has_output]
 
     def _take_prompt_logprobs(self) -> None:
         """File the step's prompt log-probs (runner.take_prompt_logprobs) under their groups; a group's
