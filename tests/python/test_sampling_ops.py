@@ -194,7 +194,11 @@ def run_sample(logits, prm, device, dtype="float32"):
     return to_np(out), (lt.to("cpu") if device != "cpu" else lt).to("float32").numpy()
 
 
-def check_against_ref(logits, prm, device, dtype="float32", max_near=0.05):
+def check_against_ref(logits, prm, device, dtype="float32", max_near=0.25):
+    """Rows whose reference decision is within rounding of flipping ("near") are not compared; the
+    cap only keeps the test from comparing too few rows. Measured over 300 seeds, about 1.3% of the
+    rows of these tests are near, and the count varies more than independent rows would (up to 4 of
+    24 rows): a cap of 5% of 24-48 rows failed 3-6% of seeds, 25% failed none."""
     got, rounded = run_sample(logits, prm, device, dtype)
     near_rows, bad = 0, []
     for r in range(logits.shape[0]):
