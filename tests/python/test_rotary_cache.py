@@ -159,7 +159,11 @@ def test_inv_freq_matches_transformers_float32(rng, name):
     mc = ModelConfig.from_hf_dict(hf.to_dict())
     want, _ = hf_inv_freq(hf, rtype, None, float64=False)
     got, _ = rope_inv_freq(mc.rope, mc.rotary_dim)
-    assert rel(got.astype(np.float32), want) <= 1e-6
+    # transformers computes in float32 (ours is float64, rounded): base ** (i / d) amplifies the
+    # exponent's rounding by ln(base), and YaRN's float32 ramp blends frequencies that differ by up to
+    # the scaling factor, amplifying its rounding again. Measured over 200 seeds of 8 of the cases: at most
+    # 19.6 float32 ulps (2^-24) of relative error (yarn without truncation); the bound is 50.
+    assert rel(got.astype(np.float32), want) <= 50 * 2.0**-24
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
