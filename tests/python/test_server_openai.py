@@ -235,6 +235,24 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client, offline):
     assert plp[2][str(ids[2])]["logprob"] == pytest.approx(ref.prompt_logprobs[2][ids[2]].logprob, abs=1e-5)
 
 
+def test_chat_prompt_logprobs(client, offline):
+    """vLLM's prompt_logprobs on a (non-streaming) chat completion: a top-level list over the rendered
+    prompt's tokens, null first, each entry keyed by token id, equal to the offline engine's."""
+    c = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 1})
+    plp = c.model_extra["prompt_logprobs"]
+    ids = offline.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    assert len(plp) == len(ids) == c.usage.prompt_tokens and plp[0] is None
+    ref = offline.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        assert str(ids[i]) in entry and 1 <= len(entry) <= 2
+        assert entry[str(ids[i])]["logprob"] == pytest.approx(ref.prompt_logprobs[i][ids[i]].logprob, abs=1e-5)
+        assert entry[str(ids[i])]["rank"] == ref.prompt_logprobs[i][ids[i]].rank
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
 def test_logit_bias(client, offline):
     """OpenAI's logit_bias (string token ids -> [-100, 100]): +100 on "t42" makes greedy decoding emit
     only it (chat and completions); -100 on the unbiased greedy first token moves the first token off it."""

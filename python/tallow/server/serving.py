@@ -280,8 +280,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
                                logprobs=(top_logprobs or 0) if want_logprobs else None,
                                skip_special_tokens=skip_special, vocab_size=st.vocab_size)
-    if params.prompt_logprobs is not None:  # the chat response has no place for them (completions has)
-        raise bad_request("'prompt_logprobs' is supported by /v1/completions only", "prompt_logprobs")
+    if params.prompt_logprobs is not None and stream:  # vLLM's rule too: a stream has no place for them
+        raise bad_request("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
     _check_length(st, len(ids), "messages")
     _check_capacity(st)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -300,10 +300,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k) -> web.Response:
-    cached = 0
+    cached, prompt_lps = 0, None
     try:
         async for out in _observed(st, rstream, t0):
             cached = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                prompt_lps = out.prompt_logprobs
             for o in out.outputs:
                 c = choices[o.index]
                 c.text += o.text
@@ -333,9 +335,11 @@ async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k)
             choice["stop_reason"] = c.stop_reason
         result.append(choice)
     n_out = sum(len(c.token_ids) for c in choices)
-    return _json_response({**{"id": meta["id"], "object": "chat.completion", "created": meta["created"],
-                               "model": meta["model"]}, "system_fingerprint": meta["system_fingerprint"],
-                           "choices": result, "usage": _usage(n_prompt, n_out, cached)})
+    body = {**{"id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"]},
+            "system_fingerprint": meta["system_fingerprint"], "choices": result, "usage": _usage(n_prompt, n_out, cached)}
+    if prompt_lps is not None:  # vLLM's field: the rendered prompt's tokens, as in /v1/completions
+        body["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps)
+    return _json_response(body)
 
 
 async def _chat_stream(request, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
