@@ -287,7 +287,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        bad = None if ids and min(ids) >= 0 and max(ids) < vocab else next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range: this model's vocabulary has ids 0..{vocab - 1}")
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
@@ -631,6 +631,10 @@ def _is_int(t) -> bool:
 def _token_ids(ids) -> list[int]:
     if isinstance(ids, np.ndarray):
         ids = ids.tolist()
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError("'prompt_token_ids' must be a list of integer token ids")
+    if set(map(type, ids)) <= {int}:  # the common case, checked at C speed (bool is not int here)
+        return list(ids)
+    if not all(_is_int(t) for t in ids):
         raise ValueError("'prompt_token_ids' must be a list of integer token ids")
     return [int(t) for t in ids]

@@ -89,15 +89,17 @@ class ByteLevelDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._pieces = table.pieces
         self._skip = table.special if skip_special_tokens else frozenset()
-        self.ids: list[int] = [int(i) for i in (prompt_ids or ())]
-        self.num_prompt_ids = len(self.ids)
+        self._prompt = tuple(prompt_ids or ())  # a C-speed copy: prompts are long, only the tail is read
+        self._out: list[int] = []
+        self.num_prompt_ids = len(self._prompt)
         self.text = ""
         self._finished = False
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         # A character the prompt's last bytes began is completed by the output: feed the decoder
         # the prompt's tail (a character is at most 4 bytes) and drop what it returns.
         tail = b""
-        for t in reversed(self.ids):
+        for t in reversed(self._prompt):
+            t = int(t)
             if t not in self._skip:
                 tail = self._piece(t) + tail
                 if len(tail) >= 4:
@@ -109,7 +111,12 @@ class ByteLevelDetokenizer:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.ids[self.num_prompt_ids:]
+        return list(self._out)
+
+    @property
+    def ids(self) -> list[int]:
+        """The prompt's ids, then the output's."""
+        return [int(i) for i in self._prompt] + self._out
 
     def _piece(self, token_id: int) -> bytes:
         if not 0 <= token_id < len(self._pieces):
@@ -122,7 +129,7 @@ class ByteLevelDetokenizer:
             raise RuntimeError("ByteLevelDetokenizer.add() after finish()")
         token_id = int(token_id)
         piece = self._piece(token_id)
-        self.ids.append(token_id)
+        self._out.append(token_id)
         if token_id in self._skip:
             return ""
         return self._emit(self._utf8.decode(piece))
