@@ -92,7 +92,7 @@ class ByteLevelDetokenizer:
         self._prompt = tuple(prompt_ids or ())  # a C-speed copy: prompts are long, only the tail is read
         self._out: list[int] = []
         self.num_prompt_ids = len(self._prompt)
-        self.text = ""
+        self._parts: list[str] = []  # the emitted deltas (joined on demand: no quadratic string growth)
         self._finished = False
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         # A character the prompt's last bytes began is completed by the output: feed the decoder
@@ -112,6 +112,11 @@ class ByteLevelDetokenizer:
     @property
     def output_ids(self) -> list[int]:
         return list(self._out)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._parts)
 
     @property
     def ids(self) -> list[int]:
@@ -149,5 +154,6 @@ class ByteLevelDetokenizer:
             self._prompt_open = False
             if delta[0] == "\ufffd":
                 delta = delta[1:]
-        self.text += delta
+        if delta:
+            self._parts.append(delta)
         return delta
