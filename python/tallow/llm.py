@@ -5,7 +5,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 from tallow.engine.args import EngineArgs
 from tallow.engine.engine import LLMEngine, PromptType
-from tallow.engine.outputs import CompletionOutput, RequestOutput
+from tallow.engine.outputs import RequestOutput
 from tallow.engine.sampling_params import SamplingParams
 
 
@@ -59,12 +59,9 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        texts: dict[tuple[str, int], list[str]] = {}  # joined once at the end (no quadratic string growth)
-        for delta in self._run(set(ids)):
-            _merge(final, texts, delta)
-        for rid in ids:
-            for o in final[rid].outputs:
-                o.text = "".join(texts.get((rid, o.index), ()))
+        for out in self._run(set(ids)):  # one each, whole: final_only requests
+            out.delta = False
+            final[out.request_id] = out
         return [final[i] for i in ids]
 
     def _run(self, ids: set[str]) -> Iterator[RequestOutput]:
@@ -97,23 +94,3 @@ class LLM:
                                                                 **template_kwargs)} for c in convs]
         return self.generate(prompts, sampling_params)
 
-
-def _merge(final: dict[str, RequestOutput], texts: dict[tuple[str, int], list[str]], delta: RequestOutput) -> None:
-    """Fold a delta into the request's RequestOutput; its text pieces go to texts[(request, index)]."""
-    cur = final.get(delta.request_id)
-    if cur is None:
-        cur = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,
-                            [CompletionOutput(o.index, "", [], None, [] if o.logprobs is not None else None)
-                             for o in delta.outputs], False, delta.num_cached_tokens)
-        final[delta.request_id] = cur
-    for o, d in zip(cur.outputs, delta.outputs):
-        if d.text:
-            texts.setdefault((delta.request_id, o.index), []).append(d.text)
-        o.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            o.logprobs.extend(d.logprobs)
-        o.cumulative_logprob = d.cumulative_logprob
-        o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
-    cur.finished = delta.finished
-    if delta.prompt_logprobs is not None:
-        cur.prompt_logprobs = delta.prompt_logprobs

@@ -287,8 +287,8 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.config.vocab_size
-        bad = None if ids and min(ids) >= 0 and max(ids) < vocab else next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:  # (C speed; the loop only names the culprit)
+            bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad} is out of range: this model's vocabulary has ids 0..{vocab - 1}")
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
