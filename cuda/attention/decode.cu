@@ -8,7 +8,9 @@
 // Loads: every warp runs its own cp.async pipeline (`stages` slots of KEYS keys: K rows then V
 // rows, 8 KiB a slot at 16 bits and D <= 128) over the chunks w, w + 4, w + 8, ... of the split, so
 // (stages - 1) chunks per warp are in flight while it computes one, with no CTA barrier in the
-// loop. Keys past the split, and keys of out-of-range block ids, are zero-filled (cp.async with
+// loop. The loads the prologue waits for (q, and with speculation the metadata again) are issued
+// before the first chunks: queued behind them they would wait for much of the stream (batch 1:
+// ~2.5 us). Keys past the split, and keys of out-of-range block ids, are zero-filled (cp.async with
 // source size 0: no memory traffic) and masked to -inf. Slots are XOR-swizzled in 16-byte units
 // so the fragment reads below are free of bank conflicts (K: rows g and g+1 apart, V: keys 2t).
 //
@@ -84,6 +86,8 @@ constexpr int kFewRowsMinSplit = 64;     // see launch()
 constexpr int kManyRowsMinSplit = 1024;  // see launch()
 constexpr int kDefaultStages = 3;
 constexpr int kMaxStages = 4;
+constexpr int64_t kDeepMinContext = 16384;  // see launch()
+constexpr int kMergeLoads = 16;  // split partials a merging thread reads at once
 constexpr int64_t kCtaOverheadKeys = 128;          // a CTA's fixed cost, in keys streamed (split planning)
 constexpr int64_t kMaxPartialBytes = 128ll << 20;  // scratch for split results
 constexpr int64_t kMinCounters = 1 << 16;
@@ -428,25 +432,48 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
         cp_async_commit();
       };
+      // Loads the prologue waits for go out before the K/V copies (behind those they would wait for
+      // much of the stream): q rows (after the wait: q is the previous kernel's output) and, when
+      // speculating, the metadata and the first block ids again.
+      constexpr int NPL = (D / 2 + 31) / 32;  // q element pairs per lane
+      constexpr int RR = kMaxGroup / kWarps;  // q rows per warp: w, w + 4, ...
+      Q qv[RR][NPL][2];
+#pragma unroll
+      for (int rr = 0; rr < RR; ++rr) {
+        const int r = warp + kWarps * rr;
+        const Q* qrow = static_cast<const Q*>(P.q) + t * P.qst + ((int64_t)kvh * G + (r < G ? r : 0)) * P.qsh;
+#pragma unroll
+        for (int k = 0; k < NPL; ++k) {
+          const int p = lane + 32 * k;
+          const bool ok = r < G && p < D / 2;
+          qv[rr][k][0] = ok ? qrow[2 * p] : from_float<Q>(0.f);
+          qv[rr][k][1] = ok ? qrow[2 * p + 1] : from_float<Q>(0.f);
+        }
+      }
+      int64_t again_meta[3] = {s_meta[0], s_meta[1], s_meta[2]};
+      int again_id = -1;
+      if (spec) {
+        if (tid == 0) {
+          again_meta[0] = __ldcg(P.qsl + b * P.qsl_s);
+          again_meta[1] = __ldcg(P.qsl + (b + 1) * P.qsl_s);
+          again_meta[2] = __ldcg(P.seq_lens + b * P.sl_s);
+        }
+        if (tid < ntb) again_id = __ldcg(P.bt + b * P.bt_s0 + (first + tid) * P.bt_s1);
+      }
       for (int c = 0; c < stages - 1; ++c) issue(c, c);
 
-      // Q rows as A fragments (after the wait: q is the previous kernel's output). Warp w stages
-      // rows w, w + 4, ...; rows past G are zeros.
+      // Q rows as A fragments; rows past G are zeros.
       {
         uint32_t* sq = reinterpret_cast<uint32_t*>(s_q);
-        constexpr int NPL = (D / 2 + 31) / 32;  // element pairs per lane
 #pragma unroll
-        for (int rr = 0; rr < kMaxGroup / kWarps; ++rr) {
+        for (int rr = 0; rr < RR; ++rr) {
           const int r = warp + kWarps * rr;
-          const Q* qrow = static_cast<const Q*>(P.q) + t * P.qst + ((int64_t)kvh * G + (r < G ? r : 0)) * P.qsh;
           float x[NPL][2];
           float mx = 0.f;
 #pragma unroll
           for (int k = 0; k < NPL; ++k) {
-            const int p = lane + 32 * k;
-            const bool ok = r < G && p < D / 2;
-            x[k][0] = ok ? to_float(qrow[2 * p]) : 0.f;
-            x[k][1] = ok ? to_float(qrow[2 * p + 1]) : 0.f;
+            x[k][0] = to_float(qv[rr][k][0]);
+            x[k][1] = to_float(qv[rr][k][1]);
             mx = fmaxf(mx, fmaxf(fabsf(x[k][0]), fabsf(x[k][1])));
           }
           float up = 1.f, down = 1.f;
@@ -469,8 +496,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       }
       bool bad = false;
       if (spec) {
-        if (tid == 0) bad = meta_changed();
-        for (int j = tid; j < ntb; j += kThreads) bad |= table_entry(j) != s_tbl[j];
+        bad = again_meta[0] != s_meta[0] || again_meta[1] != s_meta[1] || again_meta[2] != s_meta[2];
+        if (tid < ntb) bad |= (again_id >= 0 && again_id < P.NB ? again_id : -1) != s_tbl[tid];
+        for (int j = tid + kThreads; j < ntb; j += kThreads) bad |= table_entry(j) != s_tbl[j];
       }
       if (__syncthreads_or(bad)) {  // (also publishes s_q) drop the loads, start over after the wait
         cp_async_wait<0>();
@@ -669,16 +697,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       const int64_t base = cidx * P.nsplit;
       float* s_w = reinterpret_cast<float*>(smem);  // [G][ns]
       for (int r = warp; r < G; r += kWarps) {
-        float M = -INFINITY;
-        for (int s = lane; s < nsi; s += 32) M = fmaxf(M, __ldcg(P.part_ml + ((base + s) * G + r) * 2));
+        // (m, l) of split s at ml[s * G]; a lane's first pair stays in registers (one read when
+        // nsi <= 32: the merge is a chain of L2 round trips).
+        const float2* ml = reinterpret_cast<const float2*>(P.part_ml) + base * G + r;
+        const float2 first_ml = lane < nsi ? __ldcg(ml + (int64_t)lane * G) : make_float2(-INFINITY, 0.f);
+        float M = first_ml.x;
+        for (int s = lane + 32; s < nsi; s += 32) M = fmaxf(M, __ldcg(ml + (int64_t)s * G).x);
         M = warp_max(M);
         float L = 0.f;
         for (int s = lane; s < nsi; s += 32) {
-          const float m = __ldcg(P.part_ml + ((base + s) * G + r) * 2);
-          const float l = __ldcg(P.part_ml + ((base + s) * G + r) * 2 + 1);
-          const float w = m == -INFINITY ? 0.f : exp2f(m - M);
+          const float2 x = s == lane ? first_ml : __ldcg(ml + (int64_t)s * G);
+          const float w = x.x == -INFINITY ? 0.f : exp2f(x.x - M);
           s_w[r * nsi + s] = w;
-          L += w * l;
+          L += w * x.y;
         }
         L = warp_sum(L);
         if (lane == 0) s_inv[r] = L > 0.f ? P.out_scale / L : 0.f;
@@ -686,19 +717,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       __syncthreads();
       constexpr int C4 = D / 4;
       const int items = G * C4;  // float4 columns of the group's output rows
-      // acc += w_s O_s[r][4c ..] for s = s0, s0 + step, ... in order, 8 loads in flight.
+      // acc += w_s O_s[r][4c ..] for s = s0, s0 + step, ... in order, kMergeLoads loads in flight.
       auto sum_splits = [&](int s0, int step, int r, int c) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s1 = s0; s1 < nsi; s1 += 8 * step) {
-          float4 x[8];
+        for (int s1 = s0; s1 < nsi; s1 += kMergeLoads * step) {
+          float4 x[kMergeLoads];
 #pragma unroll
-          for (int u = 0; u < 8; ++u) {
+          for (int u = 0; u < kMergeLoads; ++u) {
             const int s = s1 + u * step;
             x[u] = s < nsi ? __ldcg(reinterpret_cast<const float4*>(P.part_o + ((base + s) * G + r) * D) + c)
                            : make_float4(0.f, 0.f, 0.f, 0.f);
           }
 #pragma unroll
-          for (int u = 0; u < 8; ++u) {
+          for (int u = 0; u < kMergeLoads; ++u) {
             const int s = s1 + u * step;
             const float w = s < nsi ? s_w[r * nsi + s] : 0.f;
             acc.x += w * x[u].x, acc.y += w * x[u].y, acc.z += w * x[u].z, acc.w += w * x[u].w;
@@ -863,9 +894,13 @@ int64_t choose_splits(int64_t rows, int64_t maxctx, int64_t slots, int64_t min_s
 
 template <class Q, class C, int D>
 bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, cudaStream_t stream) {
-  const KernelFit fit = kernel_fit<Q, C, D>(env_int("TALLOW_DECODE_STAGES", kDefaultStages));
-  if (fit.stages < 1) return false;
   const int64_t rows = P.T * P.Hk;
+  // Very few rows over a long table: the grid is about one CTA an SM either way, and a deeper
+  // pipeline (three chunks in flight a warp) beats a second CTA an SM with more, shorter splits
+  // (H100, batch 1, 32k keys: 0.79 -> 0.82 of copy bandwidth; no gain at 4k-8k keys or batch 8).
+  const bool deep = rows * 8 <= sm_count() && maxctx >= kDeepMinContext;
+  const KernelFit fit = kernel_fit<Q, C, D>(env_int("TALLOW_DECODE_STAGES", deep ? kMaxStages : kDefaultStages));
+  if (fit.stages < 1) return false;
   const int64_t slots = (int64_t)fit.per_sm * sm_count();
   const int64_t per_split = P.T * P.Hq * (D + 2) * (int64_t)sizeof(float);
   const int64_t n = choose_splits(rows, maxctx, slots, P.min_split, split_cap,

@@ -25,7 +25,8 @@ namespace tallow::cuda {
 // on the stream runs, reads q and the caches and writes only after that kernel completes, and
 // rechecks any metadata it read early (see decode.cu). Tuning (environment, read per call):
 // TALLOW_DECODE_MIN_SPLIT (keys, default 256), TALLOW_DECODE_SPLITS (grid splits, default from
-// shapes), TALLOW_DECODE_STAGES (cp.async slots per warp, 1..4, default 3), TALLOW_DECODE_PDL
+// shapes), TALLOW_DECODE_STAGES (cp.async slots per warp, 1..4, default 3; 4 for
+// batches of <= SMs / 8 (token, kv head) rows over tables of 16k+ keys), TALLOW_DECODE_PDL
 // (0 off, 1 wait before any read, 2 metadata read early and verified: default).
 bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
