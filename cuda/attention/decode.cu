@@ -695,6 +695,37 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       __threadfence();
       const int nsi = (int)ns;
       const int64_t base = cidx * P.nsplit;
+      if (nsi <= kMergeLoads) {
+        // Few splits: each thread reads every split's (m, l) and O columns of its outputs at once (one
+        // L2 round trip where the general path below takes three) and sums them in split order.
+        const float2* mlb = reinterpret_cast<const float2*>(P.part_ml) + base * G;
+        for (int it = tid; it < G * (D / 4); it += kThreads) {
+          const int r = it / (D / 4), c = it % (D / 4);
+          float2 ml[kMergeLoads];
+          float4 x[kMergeLoads];
+#pragma unroll
+          for (int u = 0; u < kMergeLoads; ++u) {
+            ml[u] = u < nsi ? __ldcg(mlb + (int64_t)u * G + r) : make_float2(-INFINITY, 0.f);
+            x[u] = u < nsi ? __ldcg(reinterpret_cast<const float4*>(P.part_o + ((base + u) * G + r) * D) + c)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+          float M = -INFINITY;
+#pragma unroll
+          for (int u = 0; u < kMergeLoads; ++u) M = fmaxf(M, ml[u].x);
+          float L = 0.f;
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int u = 0; u < kMergeLoads; ++u) {
+            const float w = ml[u].x == -INFINITY ? 0.f : exp2f(ml[u].x - M);
+            L += w * ml[u].y;
+            acc.x += w * x[u].x, acc.y += w * x[u].y, acc.z += w * x[u].z, acc.w += w * x[u].w;
+          }
+          store4(static_cast<Q*>(P.out) + (t * P.Hq + (int64_t)kvh * G + r) * D + 4 * c, acc,
+                 L > 0.f ? P.out_scale / L : 0.f);
+        }
+        if (tid == 0) P.counters[cidx] = 0;  // every split has counted: ready for the next launch
+        continue;
+      }
       float* s_w = reinterpret_cast<float*>(smem);  // [G][ns]
       for (int r = warp; r < G; r += kWarps) {
         // (m, l) of split s at ml[s * G]; a lane's first pair stays in registers (one read when
