@@ -5,7 +5,7 @@
     per second);
   * paged decode attention (tallow.ops.paged_attention with one query per sequence: the split-KV
     kernel of cuda/attention/decode.cu), Llama-3-8B heads (32 query, 8 kv, head dim 128), batch
-    {1, 8, 32, 64} x context {4096, 8192, 16384, 32768}, bf16 and fp8 caches: GB/s of K + V bytes
+    {1, 2, 4, 8, 32, 64} x context {4096, 8192, 16384, 32768}, bf16 and fp8 caches: GB/s of K + V bytes
     read (batch x context x 8 heads x 128 x 2 x element size) per second, and its ratio to the copy
     bandwidth (target: >= 0.8); plus short contexts (128, 1024 keys) with tables padded to 4096
     tokens as in a captured decode step, whose us_per_call is the kernel's fixed cost;
@@ -52,7 +52,7 @@ FIXED_COST_CONFIGS = [(1, 128), (8, 128), (1, 1024)]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--batches", default="1,2,4,8,32,64")
     ap.add_argument("--contexts", default="4096,8192,16384,32768")
     ap.add_argument("--dtypes", default="bfloat16,float8_e4m3")
     ap.add_argument("--max-kv-gb", type=float, default=60.0, help="skip configurations whose K+V exceed this")
