@@ -214,7 +214,7 @@ class Sampler:
             srt = np.zeros((rest.size, V + pad), dtype=e.dtype)
             srt[:, pad:] = np.sort(e[rest], axis=-1)
             nb = (V + pad) // _BLOCK
-            top_mass = np.cumsum(srt.reshape(rest.size, nb, _BLOCK).sum(axis=-1)[:, ::-1], axis=-1, dtype=np.float64)
+            top_mass = np.cumsum(srt.reshape(rest.size, nb, _BLOCK).sum(axis=-1, dtype=np.float64)[:, ::-1], axis=-1)
             for j, r in enumerate(rest):
                 q = int(np.searchsorted(top_mass[j], target[r], side="left"))  # blocks from the top
                 if q >= nb:  # rounding: the whole row
