@@ -64,7 +64,7 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
 Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window = 0,
                        float softcap = 0.0f, const std::optional<Tensor>& out = {}, float k_scale = 1.0f,
-                       float v_scale = 1.0f);
+                       float v_scale = 1.0f, bool settled_cache = false);
 // random.cu: t (contiguous float) = low + span * U[0,1) per element, key = ops::random_detail::seed_key(seed)
 void fill_uniform_(Tensor& t, float low, float span, uint64_t key);
 // rope.cu

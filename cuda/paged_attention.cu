@@ -286,7 +286,8 @@ void reshape_and_cache(const Tensor& k_in, const Tensor& v_in, const Tensor& k_c
 
 Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window,
-                       float softcap, const std::optional<Tensor>& out, float k_scale, float v_scale) {
+                       float softcap, const std::optional<Tensor>& out, float k_scale, float v_scale,
+                       bool settled_cache) {
   const char* op = "paged_attention";
   const Tensor q = last_dim_contiguous(q_in);
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -311,7 +312,8 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
   }
   const Tensor bt = as_i32(block_tables), sl = as_i32(seq_lens), qsl = as_i32(query_start_loc);
   const bool f8 = k_cache.dtype() == DType::F8E4M3;
-  if (paged_decode_attention(o, q, k_cache, v_cache, bt, sl, qsl, scale, sliding_window, softcap, k_scale, v_scale))
+  if (paged_decode_attention(o, q, k_cache, v_cache, bt, sl, qsl, scale, sliding_window, softcap, k_scale, v_scale,
+                             settled_cache))
     return o;
   if (paged_prefill_attention(o, q, k_cache, v_cache, bt, sl, qsl, scale, sliding_window, softcap, k_scale, v_scale))
     return o;

@@ -702,7 +702,8 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
 
 Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale, int64_t sliding_window,
-                       float softcap, const std::optional<Tensor>& out, float k_scale, float v_scale) {
+                       float softcap, const std::optional<Tensor>& out, float k_scale, float v_scale,
+                       bool settled_cache) {
   const char* op = "paged_attention";
   check_defined(op, q_in, "q");
   check_float(op, q_in, "q");
@@ -739,7 +740,7 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
 #ifdef TALLOW_WITH_CUDA
   if (q_in.device().type == DeviceType::CUDA)
     return cuda::paged_attention(q_in, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                 softcap, out, k_scale, v_scale);
+                                 softcap, out, k_scale, v_scale, settled_cache);
 #endif
   if (!q_in.device().is_cpu()) unsupported_device(op, q_in);
 

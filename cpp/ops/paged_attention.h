@@ -57,9 +57,15 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
 // (Shared with the ops that write caches, e.g. rope_and_cache.)
 void check_kv_cache(const char* op, const Tensor& t, const char* name);
 
+// settled_cache = true promises that every cache row before each sequence's new tokens is settled:
+// no kernel that may still run when this call starts writes it (true right after rope_and_cache or
+// reshape_and_cache of this step, which write only the new tokens' rows; the attention layer passes
+// it). The CUDA decode kernel then starts reading those rows before the previous kernel on the
+// stream has finished (programmatic dependent launch). It never changes the result of a call that
+// keeps the promise; the CPU ignores it.
 Tensor paged_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                        const Tensor& seq_lens, const Tensor& query_start_loc, float scale,
                        int64_t sliding_window = 0, float softcap = 0.0f, const std::optional<Tensor>& out = {},
-                       float k_scale = 1.0f, float v_scale = 1.0f);
+                       float k_scale = 1.0f, float v_scale = 1.0f, bool settled_cache = false);
 
 }  // namespace tallow::ops

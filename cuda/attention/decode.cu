@@ -50,12 +50,19 @@
 //
 // Programmatic dependent launch (sm_90): the kernel is launched with programmatic stream
 // serialization, so it starts while the previous kernel finishes; griddepcontrol.wait precedes
-// every read of q and the caches and every write, and griddepcontrol.launch_dependents follows the
-// main loop. With TALLOW_DECODE_PDL=2 (the default) the metadata (query_start_loc, seq_lens, the
+// every read of q and of cache rows the previous kernel may write, and every write. Right after
+// the wait comes griddepcontrol.launch_dependents: every CTA of the grid is resident by then (the
+// trigger fires once all have executed it), so the next kernel's CTAs take free slots only, and
+// run their pre-wait part (metadata, early cache reads; o_proj's gemv: weights) while this one
+// streams. With TALLOW_DECODE_PDL=2 (the default) the metadata (query_start_loc, seq_lens, the
 // split's block ids) is read before the wait, then read again after it and compared: on any
 // difference (the previous kernel wrote them) the CTA drops its loads and starts over, so this is
-// correct whatever the previous kernel wrote. TALLOW_DECODE_PDL=1 waits before any read,
-// 0 launches without the attribute.
+// correct whatever the previous kernel wrote. When the caller promises a settled cache
+// (settled_cache: the rows before each sequence's new tokens are written by no kernel still
+// running, as after rope_and_cache) the first stages - 1 chunks of every warp are also copied
+// before the wait, all but the fresh key (a decode's own row), which its warp loads after the wait
+// (H100, batch 1-8, 4k-32k keys: +0.03-0.07 of copy bandwidth). TALLOW_DECODE_PDL=1 waits before
+// any read, 0 launches without the attribute.
 #include "attention/decode.cuh"
 
 #include <cuda_fp8.h>
@@ -115,7 +122,7 @@ struct DecodeParams {
   float* part_ml;   // [T, Hk, nsplit, G, 2]: (max in log2 units, sum of weights)
   int* counters;    // [T, Hk]: splits finished (0 between launches)
   int64_t T, B, Hq, Hk, NB, max_blocks, window;
-  int G, bs_shift, nsplit, min_split, stages, early;
+  int G, bs_shift, nsplit, min_split, stages, early, early_kv;
   float score_scale;   // raw dot -> log2 score: qk_scale * log2(e); with softcap qk_scale / softcap
   float softcap_log2;  // softcap * log2(e), 0 without softcap
   float out_scale;     // v_scale for fp8, else 1
@@ -300,7 +307,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     // Pass 0 with P.early reads the metadata before waiting for the previous kernel and checks it
     // after; pass 1 (only after a mismatch) waits first.
     const bool spec = P.early && pass == 0;
-    if (!spec) pdl_wait();
+    if (!spec) {
+      pdl_wait();
+      pdl_launch_dependents();
+    }
     if (pass) __syncthreads();  // every thread is done reading pass 0's s_meta
     if (tid == 0) {  // one reader: every thread plans with the same values
       s_meta[0] = __ldcg(P.qsl + b * P.qsl_s);
@@ -337,7 +347,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       };
       for (int j = tid; j < ntb; j += kThreads) s_tbl[j] = table_entry(j);
       __syncthreads();
-      if (spec) pdl_wait();  // q and the caches are the previous kernel's outputs
 
       // This warp's chunks: w, w + kWarps, ... of the split, KEYS keys each.
       const int64_t nck = (k1 - k0 + KEYS - 1) / KEYS;
@@ -361,13 +370,28 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       // resolves its own block (lane kk of the warp resolves key kk, the others read it with
       // shuffles). Offsets of keys past the range or of bad blocks are never read (cp.async with
       // source size 0 reads nothing).
-      auto issue = [&](int c, int slot) {
+      // Early cache reads (see the top of the file): keys [fresh_lo, k1) are the rows the previous
+      // kernel may write. FILTER 0 issues every key, 1 all but those, 2 only those.
+      const int64_t fresh_lo = len - n;
+      auto issue = [&](int c, int slot, auto filter) {
+        constexpr int FILTER = decltype(filter)::value;
+        // The early copies' lane index is opaque to the compiler: shared with the loop's copies, their
+        // address terms would stay live through the main loop (registers past the kernel's budget).
+        int ln = lane;
+        if constexpr (FILTER != 0) asm volatile("" : "+r"(ln));
         if (c < nmine) {
           unsigned char* ks = wslots + slot * S::SLOT;
           unsigned char* vs = ks + KEYS * RS;
           const int64_t c0 = chunk_start(c);
           const int nvalid = k1 - c0 < KEYS ? (int)(k1 - c0) : KEYS;
           const int64_t j = (c0 >> P.bs_shift) - first;
+          const int64_t fl = fresh_lo - c0;  // keys kk in [fl, nvalid) of the chunk are fresh
+          const int fresh0 = fl < 0 ? 0 : (fl > KEYS ? KEYS : (int)fl);
+          auto wanted = [&](int kk) {
+            if constexpr (FILTER == 0) return true;
+            const bool fresh = kk >= fresh0 && kk < nvalid;
+            return FILTER == 1 ? !fresh : fresh;
+          };
           auto block_ptrs = [&](int64_t jj, int row0, const unsigned char*& kb, const unsigned char*& vb) {
             const int id = jj < ntb ? s_tbl[jj] : -1;
             kb = reinterpret_cast<const unsigned char*>(kbase) + ((int64_t)id * P.ksb + (int64_t)row0 * P.ksr) * E;
@@ -379,13 +403,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
             const bool blk_ok = block_ptrs(j, (int)(c0 & row_mask), kb, vb);
             if constexpr (32 % PPR == 0) {  // a lane keeps its piece; its key advances by 32 / PPR a step
               constexpr int KSTEP = 32 / PPR;
-              const int kk0 = lane / PPR, piece = lane % PPR;
+              const int kk0 = ln / PPR, piece = ln % PPR;
               const int koff = (kk0 * P.ksr32 + piece * (16 / E)) * E, kstep = KSTEP * P.ksr32 * E;
               const int voff = (kk0 * P.vsr32 + piece * (16 / E)) * E, vstep = KSTEP * P.vsr32 * E;
 #pragma unroll
               for (int it = 0; it < S::PIECES / 32; ++it) {
                 const int kk = kk0 + KSTEP * it;
                 const bool ok = blk_ok && kk < nvalid;
+                if (!wanted(kk)) continue;
                 cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)), kb + koff + it * kstep, ok);
                 cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)), vb + voff + it * vstep,
                            ok);
@@ -393,8 +418,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
             } else {
 #pragma unroll
               for (int it = 0; it < S::PIECES / 32; ++it) {
-                const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+                const int p = ln + 32 * it, kk = p / PPR, piece = p % PPR;
                 const bool ok = blk_ok && kk < nvalid;
+                if (!wanted(kk)) continue;
                 cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)),
                            kb + (kk * P.ksr32 + piece * (16 / E)) * E, ok);
                 cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)),
@@ -406,10 +432,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
             const bool ok0 = block_ptrs(j, 0, kb0, vb0), ok1 = block_ptrs(j + 1, 0, kb1, vb1);
 #pragma unroll
             for (int it = 0; it < S::PIECES / 32; ++it) {
-              const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+              const int p = ln + 32 * it, kk = p / PPR, piece = p % PPR;
               const bool hi = kk >= KEYS / 2;
               const int row = hi ? kk - KEYS / 2 : kk;
               const bool ok = (hi ? ok1 : ok0) && kk < nvalid;
+              if (!wanted(kk)) continue;
               cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)),
                          (hi ? kb1 : kb0) + (row * P.ksr32 + piece * (16 / E)) * E, ok);
               cp_async16(smem_addr(vs + kk * RS + ((piece ^ (((kk >> 1) & 3) << 1)) << 4)),
@@ -420,9 +447,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
             resolve(c0, my_id, my_row);
 #pragma unroll
             for (int it = 0; it < S::PIECES / 32; ++it) {
-              const int p = lane + 32 * it, kk = p / PPR, piece = p % PPR;
+              const int p = ln + 32 * it, kk = p / PPR, piece = p % PPR;
               const int id = __shfl_sync(0xffffffffu, my_id, kk), row = __shfl_sync(0xffffffffu, my_row, kk);
               const bool ok = id >= 0;
+              if (!wanted(kk)) continue;
               const C* ksrc = ok ? kbase + (int64_t)id * P.ksb + (int64_t)row * P.ksr + piece * (16 / E) : kbase;
               const C* vsrc = ok ? vbase + (int64_t)id * P.vsb + (int64_t)row * P.vsr + piece * (16 / E) : vbase;
               cp_async16(smem_addr(ks + kk * RS + ((piece ^ ((kk & 1) << 2)) << 4)), ksrc, ok);
@@ -432,6 +460,23 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
         cp_async_commit();
       };
+      using AllKeys = std::integral_constant<int, 0>;
+      // Early cache reads: the first chunks, all but the fresh key, go out before the wait; the warp
+      // whose chunk holds the fresh key (fix_c) copies that row itself after the wait (below).
+      const bool early_kv = spec && P.early_kv && n == 1;
+      int fix_c = -1;
+      if (early_kv) {
+        for (int c = 0; c < stages - 1; ++c) issue(c, c, std::integral_constant<int, 1>{});
+        if (fresh_lo >= k0 && fresh_lo < k1) {
+          const int64_t ci = (fresh_lo - k0) / KEYS;  // the split's chunk holding the fresh key
+          if (ci % kWarps == warp && ci / kWarps < stages - 1) fix_c = (int)(ci / kWarps);
+        }
+      }
+      if (spec) {
+        pdl_wait();  // q (and fresh cache rows) are the previous kernel's outputs
+        pdl_launch_dependents();
+      }
+
       // Loads the prologue waits for go out before the K/V copies (behind those they would wait for
       // much of the stream): q rows (after the wait: q is the previous kernel's output) and, when
       // speculating, the metadata and the first block ids again.
@@ -460,7 +505,29 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
         if (tid < ntb) again_id = __ldcg(P.bt + b * P.bt_s0 + (first + tid) * P.bt_s1);
       }
-      for (int c = 0; c < stages - 1; ++c) issue(c, c);
+      // The fresh row of chunk fix_c: K and V pieces by plain loads now, into the slot (no copy was
+      // issued for it) once q is staged; the loop's __syncwarp orders them before it is read.
+      constexpr int FPL = (2 * PPR + 31) / 32;  // 16-byte pieces (K then V) per lane
+      uint4 fresh[FPL];
+      int fresh_kk = 0;
+      if (fix_c >= 0) {
+        fresh_kk = (int)(fresh_lo - chunk_start(fix_c));
+        const int64_t j = (fresh_lo >> P.bs_shift) - first;
+        const int id = j < ntb ? s_tbl[j] : -1;
+        const int row = (int)(fresh_lo & row_mask);
+#pragma unroll
+        for (int f = 0; f < FPL; ++f) {
+          const int p = lane + 32 * f, piece = p < PPR ? p : p - PPR;
+          fresh[f] = make_uint4(0u, 0u, 0u, 0u);
+          if (p < 2 * PPR && id >= 0) {
+            const C* src = p < PPR ? kbase + (int64_t)id * P.ksb + (int64_t)row * P.ksr
+                                   : vbase + (int64_t)id * P.vsb + (int64_t)row * P.vsr;
+            fresh[f] = __ldcg(reinterpret_cast<const uint4*>(src + piece * (16 / E)));
+          }
+        }
+      }
+      if (!early_kv)
+        for (int c = 0; c < stages - 1; ++c) issue(c, c, AllKeys{});
 
       // Q rows as A fragments; rows past G are zeros.
       {
@@ -494,6 +561,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
           if (lane == 0) s_rs[r] = down * P.score_scale;
         }
       }
+      if (fix_c >= 0) {
+        unsigned char* ks = wslots + fix_c * S::SLOT;
+        unsigned char* vs = ks + KEYS * RS;
+        const int kk = fresh_kk;
+#pragma unroll
+        for (int f = 0; f < FPL; ++f) {
+          const int p = lane + 32 * f;
+          if (p < PPR)
+            *reinterpret_cast<uint4*>(ks + kk * RS + ((p ^ ((kk & 1) << 2)) << 4)) = fresh[f];
+          else if (p < 2 * PPR)
+            *reinterpret_cast<uint4*>(vs + kk * RS + (((p - PPR) ^ (((kk >> 1) & 3) << 1)) << 4)) = fresh[f];
+        }
+      }
       bool bad = false;
       if (spec) {
         bad = again_meta[0] != s_meta[0] || again_meta[1] != s_meta[1] || again_meta[2] != s_meta[2];
@@ -519,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       int cur = 0, nxt = stages - 1;
       for (int c = 0; c < nmine; ++c) {
         __syncwarp();        // every lane is done with the slot chunk c - 1 used
-        issue(c + stages - 1, nxt);
+        issue(c + stages - 1, nxt, AllKeys{});
         nxt = nxt + 1 == stages ? 0 : nxt + 1;
         cp_async_wait_pending(stages - 1);  // this lane's copies of chunk c have landed
         __syncwarp();        // ... and every lane's
@@ -632,7 +712,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
       }
       cp_async_wait<0>();  // (only empty groups can remain)
-      pdl_launch_dependents();       // the main loop is done: the next kernel may start launching
 
       // Merge the warps: each leaves (m, l) per row and its O rows in shared memory (the slots are
       // free once every warp is past the barrier); then each output element sums the warps in order.
@@ -791,6 +870,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     }
     if (!again && !checked) {  // speculated and found nothing to do: confirm after the wait
       pdl_wait();
+      pdl_launch_dependents();
       again = __syncthreads_or(tid == 0 && meta_changed());
     }
     if (!again) return;
@@ -929,7 +1009,9 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   // Very few rows over a long table: the grid is about one CTA an SM either way, and a deeper
   // pipeline (three chunks in flight a warp) beats a second CTA an SM with more, shorter splits
   // (H100, batch 1, 32k keys: 0.79 -> 0.82 of copy bandwidth; no gain at 4k-8k keys or batch 8).
-  const bool deep = rows * 8 <= sm_count() && maxctx >= kDeepMinContext;
+  // Not for fp8 caches: there 3 stages did better (batch 2, 16k / 32k keys: 0.67 / 0.78 with 4,
+  // 0.71 / 0.82 with 3).
+  const bool deep = sizeof(C) == 2 && rows * 8 <= sm_count() && maxctx >= kDeepMinContext;
   const KernelFit fit = kernel_fit<Q, C, D>(env_int("TALLOW_DECODE_STAGES", deep ? kMaxStages : kDefaultStages));
   if (fit.stages < 1) return false;
   const int64_t slots = (int64_t)fit.per_sm * sm_count();
@@ -960,6 +1042,7 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   const int mode = env_int("TALLOW_DECODE_PDL", 2);
   const bool pdl = mode > 0 && compute_major() >= 9 && !no_pdl[dev];
   P.early = pdl && mode >= 2;
+  P.early_kv = P.early && P.early_kv;  // settled_cache, when the metadata is read early too
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3((unsigned)n, (unsigned)P.Hk, (unsigned)P.B);
   cfg.blockDim = dim3(kThreads);
@@ -975,7 +1058,7 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
     (void)cudaGetLastError();
     no_pdl[dev] = true;
     cfg.numAttrs = 0;
-    P.early = 0;
+    P.early = P.early_kv = 0;
     err = cudaLaunchKernelEx(&cfg, decode_kernel<Q, C, D>, P);
   }
   TALLOW_CUDA_CHECK("paged_attention", err);
@@ -1005,7 +1088,8 @@ bool rows_aligned(const Tensor& c) {
 
 bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
-                            float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale) {
+                            float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale,
+                            bool settled_cache) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), Hk = k_cache.size(2), max_blocks = block_tables.size(1);
   const DType qd = q.dtype(), cd = k_cache.dtype();
@@ -1058,6 +1142,7 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   P.score_scale = softcap > 0.f ? qk_scale / softcap : qk_scale * kLog2e;
   P.softcap_log2 = softcap > 0.f ? softcap * kLog2e : 0.f;
   P.out_scale = f8 ? v_scale : 1.0f;
+  P.early_kv = settled_cache;
 
   OpContext ctx(q);
   if (qd == DType::BF16)

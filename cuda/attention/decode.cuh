@@ -22,14 +22,17 @@ namespace tallow::cuda {
 // Block-table entries at or past ceil(seq_len / block_size) are never read; out-of-range block ids
 // are left out. Deterministic: the result does not depend on CTA timing.
 // On sm_90 the kernel is a programmatic dependent launch: it may start while the previous kernel
-// on the stream runs, reads q and the caches and writes only after that kernel completes, and
-// rechecks any metadata it read early (see decode.cu). Tuning (environment, read per call):
+// on the stream runs, reads q (and, unless settled_cache, the caches) and writes only after that
+// kernel completes, and rechecks any metadata it read early (see decode.cu). settled_cache: the
+// caller's promise of ops::paged_attention (cpp/ops/paged_attention.h) that no kernel still running
+// writes cache rows before each sequence's new tokens; those rows are then read before the wait. Tuning (environment, read per call):
 // TALLOW_DECODE_MIN_SPLIT (keys, default 256), TALLOW_DECODE_SPLITS (grid splits, default from
 // shapes), TALLOW_DECODE_STAGES (cp.async slots per warp, 1..4, default 3; 4 for
-// batches of <= SMs / 8 (token, kv head) rows over tables of 16k+ keys), TALLOW_DECODE_PDL
+// batches of <= SMs / 8 (token, kv head) rows over tables of 16k+ keys, 16-bit caches), TALLOW_DECODE_PDL
 // (0 off, 1 wait before any read, 2 metadata read early and verified: default).
 bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
-                            float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale);
+                            float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale,
+                            bool settled_cache = false);
 
 }  // namespace tallow::cuda

@@ -551,6 +551,70 @@ def test_cuda_decode_under_graph_capture(rng):
         check_cuda(out, expect, "bfloat16", f"graph replay, lengths +{grow}")
 
 
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", FP8])
+@pytest.mark.parametrize("bs", [1, 8, 16, 32, 256])
+def test_cuda_decode_settled_cache_right_after_rope_and_cache(rng, cache_dtype, bs):
+    """settled_cache=True as the attention layer passes it: rope_and_cache writes each sequence's new
+    K/V row, then the decode kernel runs; captured in a graph, both are programmatic dependent
+    launches, so the kernel copies the older rows while rope_and_cache may still run and must read the
+    new row only after it. The slots of the new rows hold NaN until written: a copy that came too
+    early (or a masked key that was read) turns an output NaN. Lengths put the new row in every part
+    of a split (the early copies of its first chunks and later ones), the block sizes take each copy
+    path (a chunk in one block, across two, a block id a key). Three replays, new rows each time;
+    the same output as the CPU ops on the same inputs (bf16 bound as above)."""
+    from backend_ops.cases_rope import make_cache
+    hq, hk, d, steps = 16, 4, 128, 3
+    fp8 = cache_dtype == FP8
+    scales = (0.05, 0.07) if fp8 else (1.0, 1.0)
+    lens = np.array([1, 2, 15, 16, 17, 33, 100, 257, 700, 3000], np.int32)
+    B = len(lens)
+    dev, ref = decode_case(rng, lens + steps, hq, hk, d, bs, "bfloat16", cache_dtype, scales=scales)
+    tables = ref["idx"][0].numpy()
+
+    def slots_at(pos):  # flat cache slots of each sequence's positions pos [B]
+        return np.array([tables[b, p // bs] * bs + p % bs for b, p in enumerate(pos)], np.int64)
+
+    nan = np.full((B, hk, d), np.nan, np.float32)
+    for s in range(steps):  # every row a step will write holds NaN until then
+        slots = tallow.from_numpy(slots_at(lens + s))
+        for caches, dv in ((ref, "cpu"), (dev, "cuda")):
+            x = tallow.tensor(nan, dtype="bfloat16").to(dv)
+            ops.reshape_and_cache(x, x, caches["k"], caches["v"], slots.to(dv), k_scale=scales[0], v_scale=scales[1])
+    cs = tallow.tensor(make_cache(int(lens.max()) + steps, d), dtype="float32")
+    cs_dev = cs.to("cuda")
+    qkv = tallow.empty([B, hq + 2 * hk, d], "bfloat16", "cuda")
+    pos = tallow.from_numpy(np.zeros(B, np.int64)).to("cuda")
+    slot_dev = tallow.from_numpy(np.full(B, -1, np.int64)).to("cuda")  # warm-up: no writes
+    cur = tallow.from_numpy(lens).to("cuda")
+    kw = dict(k_scale=scales[0], v_scale=scales[1])
+
+    def step(x, caches, pos, slots, seq_lens, cos_sin, idx):
+        q, k, v = x[:, :hq, :], x[:, hq:hq + hk, :], x[:, hq + hk:, :]
+        ops.rope_and_cache(pos, q, k, v, cos_sin, True, caches["k"], caches["v"], slots, k_scale=scales[0],
+                           v_scale=scales[1])
+        return ops.paged_attention(q, caches["k"], caches["v"], idx[0], seq_lens, idx[2], d**-0.5,
+                                   settled_cache=True, **kw)
+
+    qkv.copy_(tallow.tensor(rng.standard_normal((B, hq + 2 * hk, d), dtype=np.float32), dtype="bfloat16").to("cuda"))
+    step(qkv, dev, pos, slot_dev, cur, cs_dev, dev["idx"])  # warm-up outside the capture
+    g = tc.CUDAGraph()
+    with tc.graph(g):
+        out = step(qkv, dev, pos, slot_dev, cur, cs_dev, dev["idx"])
+    for s in range(steps):
+        x = tallow.tensor(2.0 * rng.standard_normal((B, hq + 2 * hk, d), dtype=np.float32), dtype="bfloat16")
+        p, L = (lens + s).astype(np.int64), lens + s + 1
+        qkv.copy_(x.to("cuda"))
+        pos.copy_(tallow.from_numpy(p).to("cuda"))
+        slot_dev.copy_(tallow.from_numpy(slots_at(p)).to("cuda"))
+        cur.copy_(tallow.from_numpy(L).to("cuda"))
+        g.replay()
+        tc.synchronize()
+        expect = step(x, ref, tallow.from_numpy(p), tallow.from_numpy(slots_at(p)), tallow.from_numpy(L), cs,
+                      ref["idx"])
+        check_cuda(out, expect, "bfloat16", f"settled cache, {cache_dtype} bs={bs} step {s}")
+
+
 # ---- CUDA: the fused split merge, split planning, PDL, tuning knobs -------------------------------
 #
 # The decode kernel merges a (token, kv head)'s splits in the CTA that finishes last (an atomic

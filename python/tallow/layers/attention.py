@@ -43,7 +43,7 @@ class PagedAttention:
                  meta: AttentionMetadata) -> tallow.Tensor:
         k_cache, v_cache = kv_cache
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
-        return self.attend(q, kv_cache, meta)
+        return self.attend(q, kv_cache, meta, settled_cache=True)
 
     def rope_and_attend(self, positions: tallow.Tensor, q: tallow.Tensor, k: tallow.Tensor, v: tallow.Tensor,
                         cos_sin_cache: tallow.Tensor, neox: bool, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
@@ -55,11 +55,13 @@ class PagedAttention:
         k_cache, v_cache = kv_cache
         ops.rope_and_cache(positions, q, k, v, cos_sin_cache, neox, k_cache, v_cache, meta.slot_mapping,
                            q_norm_weight, k_norm_weight, norm_eps, gemma_norm, self.k_scale, self.v_scale)
-        return self.attend(q, kv_cache, meta)
+        return self.attend(q, kv_cache, meta, settled_cache=True)
 
     def attend(self, q: tallow.Tensor, kv_cache: tuple[tallow.Tensor, tallow.Tensor],
-               meta: AttentionMetadata) -> tallow.Tensor:
-        """Attention over the cache (this step's K/V written already). A mixed step (decodes, then
+               meta: AttentionMetadata, settled_cache: bool = False) -> tallow.Tensor:
+        """Attention over the cache (this step's K/V written already). settled_cache: the promise of
+        ops.paged_attention that no kernel still running writes older rows (true right after this
+        step's cache write; the CUDA decode kernel then reads them early). A mixed step (decodes, then
         prefill chunks) runs as two calls: the decode sequences on CUDA go to the split-KV decode kernel,
         which reads each K/V row once per kv head, instead of taking a 64-128-row query tile of the
         prefill kernel per query head for their one row (H100, Qwen3-0.6B, nano-vllm workload: see
@@ -71,13 +73,14 @@ class PagedAttention:
             out = tallow.empty([T, q.shape[1], v_cache.shape[3]], q.dtype, q.device)
             self._attend(q.narrow(0, 0, nd), k_cache, v_cache, meta.block_tables.narrow(0, 0, nd),
                          meta.seq_lens.narrow(0, 0, nd), meta.query_start_loc.narrow(0, 0, nd + 1),
-                         out.narrow(0, 0, nd))
+                         out.narrow(0, 0, nd), settled_cache)
             self._attend(q.narrow(0, nd, T - nd), k_cache, v_cache, meta.block_tables.narrow(0, nd, B - nd),
                          meta.seq_lens.narrow(0, nd, B - nd), meta.prefill_query_start_loc, out.narrow(0, nd, T - nd))
             return out
-        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            settled_cache=settled_cache)
 
-    def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out=None):
+    def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out=None, settled_cache=False):
         return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, self.scale,
                                    self.sliding_window, self.softcap, out=out, k_scale=self.k_scale,
-                                   v_scale=self.v_scale)
+                                   v_scale=self.v_scale, settled_cache=settled_cache)
