@@ -50,19 +50,19 @@
 //
 // Programmatic dependent launch (sm_90): the kernel is launched with programmatic stream
 // serialization, so it starts while the previous kernel finishes; griddepcontrol.wait precedes
-// every read of q and of cache rows the previous kernel may write, and every write. Right after
-// the wait comes griddepcontrol.launch_dependents: every CTA of the grid is resident by then (the
-// trigger fires once all have executed it), so the next kernel's CTAs take free slots only, and
-// run their pre-wait part (metadata, early cache reads; o_proj's gemv: weights) while this one
-// streams. With TALLOW_DECODE_PDL=2 (the default) the metadata (query_start_loc, seq_lens, the
-// split's block ids) is read before the wait, then read again after it and compared: on any
-// difference (the previous kernel wrote them) the CTA drops its loads and starts over, so this is
-// correct whatever the previous kernel wrote. When the caller promises a settled cache
-// (settled_cache: the rows before each sequence's new tokens are written by no kernel still
-// running, as after rope_and_cache) the first stages - 1 chunks of every warp are also copied
+// every read of q and of cache rows the previous kernel may write, and every write. The metadata
+// (query_start_loc, seq_lens, the split's block ids) is read before the wait, then read again after
+// it and compared: on any difference (the previous kernel wrote them) the CTA drops its loads and
+// starts over, so this is correct whatever the previous kernel wrote. With TALLOW_DECODE_PDL=3 (the
+// default), griddepcontrol.launch_dependents comes right after the wait: every CTA of the grid is
+// resident by then (the trigger fires once all have executed it), so the next kernel's CTAs take
+// free slots only and run their pre-wait part (metadata, early copies; o_proj's gemv: weights)
+// while this one streams. And when the caller promises a settled cache (settled_cache: the rows
+// before each sequence's new tokens are written by no kernel still running, as after
+// rope_and_cache), the first wave's CTAs also copy the first stages - 1 chunks of every warp
 // before the wait, all but the fresh key (a decode's own row), which its warp loads after the wait
-// (H100, batch 1-8, 4k-32k keys: +0.03-0.07 of copy bandwidth). TALLOW_DECODE_PDL=1 waits before
-// any read, 0 launches without the attribute.
+// (H100, batch 1-8, 4k-32k keys: +0.03-0.07 of copy bandwidth). TALLOW_DECODE_PDL=2 triggers after
+// the main loop and copies nothing early, 1 waits before any read, 0 launches without the attribute.
 #include "attention/decode.cuh"
 
 #include <cuda_fp8.h>
@@ -122,7 +122,7 @@ struct DecodeParams {
   float* part_ml;   // [T, Hk, nsplit, G, 2]: (max in log2 units, sum of weights)
   int* counters;    // [T, Hk]: splits finished (0 between launches)
   int64_t T, B, Hq, Hk, NB, max_blocks, window;
-  int G, bs_shift, nsplit, min_split, stages, early, early_kv;
+  int G, bs_shift, nsplit, min_split, stages, early, early_kv, early_trigger, early_ctas;
   float score_scale;   // raw dot -> log2 score: qk_scale * log2(e); with softcap qk_scale / softcap
   float softcap_log2;  // softcap * log2(e), 0 without softcap
   float out_scale;     // v_scale for fp8, else 1
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const bool spec = P.early && pass == 0;
     if (!spec) {
       pdl_wait();
-      pdl_launch_dependents();
+      if (P.early_trigger) pdl_launch_dependents();
     }
     if (pass) __syncthreads();  // every thread is done reading pass 0's s_meta
     if (tid == 0) {  // one reader: every thread plans with the same values
@@ -463,7 +463,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       using AllKeys = std::integral_constant<int, 0>;
       // Early cache reads: the first chunks, all but the fresh key, go out before the wait; the warp
       // whose chunk holds the fresh key (fix_c) copies that row itself after the wait (below).
-      const bool early_kv = spec && P.early_kv && n == 1;
+      // Only CTAs of the first wave: later ones start after the previous kernel has finished, and
+      // their early copies would only delay their q (measured: nano-vllm steps 7.0 -> 7.5 ms).
+      const bool early_kv = spec && P.early_kv && n == 1 &&
+                            split + (int64_t)P.nsplit * (kvh + P.Hk * b) < (int64_t)P.early_ctas;
       int fix_c = -1;
       if (early_kv) {
         for (int c = 0; c < stages - 1; ++c) issue(c, c, std::integral_constant<int, 1>{});
@@ -474,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       }
       if (spec) {
         pdl_wait();  // q (and fresh cache rows) are the previous kernel's outputs
-        pdl_launch_dependents();
+        if (P.early_trigger) pdl_launch_dependents();
       }
 
       // Loads the prologue waits for go out before the K/V copies (behind those they would wait for
@@ -712,6 +715,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
       }
       cp_async_wait<0>();  // (only empty groups can remain)
+      if (!P.early_trigger) pdl_launch_dependents();  // TALLOW_DECODE_PDL=2: the main loop is done
 
       // Merge the warps: each leaves (m, l) per row and its O rows in shared memory (the slots are
       // free once every warp is past the barrier); then each output element sums the warps in order.
@@ -870,7 +874,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     }
     if (!again && !checked) {  // speculated and found nothing to do: confirm after the wait
       pdl_wait();
-      pdl_launch_dependents();
+      if (P.early_trigger) pdl_launch_dependents();
       again = __syncthreads_or(tid == 0 && meta_changed());
     }
     if (!again) return;
@@ -1039,10 +1043,12 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   P.counters = split_counters(rows, n > 1, q, stream, counters);
   static bool no_pdl[64] = {};  // set when the driver refused the attribute once
   const int dev = current_dev();
-  const int mode = env_int("TALLOW_DECODE_PDL", 2);
+  const int mode = env_int("TALLOW_DECODE_PDL", 3);
   const bool pdl = mode > 0 && compute_major() >= 9 && !no_pdl[dev];
   P.early = pdl && mode >= 2;
-  P.early_kv = P.early && P.early_kv;  // settled_cache, when the metadata is read early too
+  P.early_kv = P.early && P.early_kv && mode >= 3;  // settled_cache, when the metadata is read early too
+  P.early_trigger = pdl && mode >= 3;
+  P.early_ctas = (int)std::min<int64_t>(slots, INT32_MAX);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3((unsigned)n, (unsigned)P.Hk, (unsigned)P.B);
   cfg.blockDim = dim3(kThreads);
@@ -1058,7 +1064,7 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
     (void)cudaGetLastError();
     no_pdl[dev] = true;
     cfg.numAttrs = 0;
-    P.early = P.early_kv = 0;
+    P.early = P.early_kv = P.early_trigger = 0;
     err = cudaLaunchKernelEx(&cfg, decode_kernel<Q, C, D>, P);
   }
   TALLOW_CUDA_CHECK("paged_attention", err);

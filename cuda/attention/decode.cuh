@@ -29,7 +29,8 @@ namespace tallow::cuda {
 // TALLOW_DECODE_MIN_SPLIT (keys, default 256), TALLOW_DECODE_SPLITS (grid splits, default from
 // shapes), TALLOW_DECODE_STAGES (cp.async slots per warp, 1..4, default 3; 4 for
 // batches of <= SMs / 8 (token, kv head) rows over tables of 16k+ keys, 16-bit caches), TALLOW_DECODE_PDL
-// (0 off, 1 wait before any read, 2 metadata read early and verified: default).
+// (0 off, 1 wait before any read, 2 metadata read early and verified, 3 also the next kernel's
+// launch right after the wait and, with settled_cache, early cache copies: default).
 bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                             float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale,

@@ -723,8 +723,9 @@ def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
-    """Pipeline depth (TALLOW_DECODE_STAGES) and PDL mode (TALLOW_DECODE_PDL) change timing only:
-    the result is bitwise the same; the split length changes the rounding only (within the bound).
+    """Pipeline depth (TALLOW_DECODE_STAGES), PDL mode (TALLOW_DECODE_PDL) and settled_cache (early
+    cache copies) change timing only: the result is bitwise the same; the split length changes the
+    rounding only (within the bound).
     The grid's split count is pinned: the default one follows occupancy, which the depth changes."""
     monkeypatch.setenv("TALLOW_DECODE_SPLITS", "8")
     lens = rng.integers(1, 6000, size=9)
@@ -734,10 +735,12 @@ def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
     expect = run_case(ref, 0.09, **kw)
     base = raw(run_case(dev, 0.09, **kw))
     for stages in ("1", "2", "3", "4"):
-        for pdl in ("0", "1", "2"):
+        for pdl in ("0", "1", "2", "3"):
             monkeypatch.setenv("TALLOW_DECODE_STAGES", stages)
             monkeypatch.setenv("TALLOW_DECODE_PDL", pdl)
-            np.testing.assert_array_equal(raw(run_case(dev, 0.09, **kw)), base, err_msg=f"stages {stages} pdl {pdl}")
+            for settled in (False, True):
+                np.testing.assert_array_equal(raw(run_case(dev, 0.09, settled_cache=settled, **kw)), base,
+                                              err_msg=f"stages {stages} pdl {pdl} settled {settled}")
     monkeypatch.delenv("TALLOW_DECODE_STAGES")
     monkeypatch.delenv("TALLOW_DECODE_PDL")
     monkeypatch.delenv("TALLOW_DECODE_SPLITS")
