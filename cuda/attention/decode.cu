@@ -370,8 +370,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       // resolves its own block (lane kk of the warp resolves key kk, the others read it with
       // shuffles). Offsets of keys past the range or of bad blocks are never read (cp.async with
       // source size 0 reads nothing).
-      // Early cache reads (see the top of the file): keys [fresh_lo, k1) are the rows the previous
-      // kernel may write. FILTER 0 issues every key, 1 all but those, 2 only those.
+      // Early copies (see the top of the file): keys [fresh_lo, k1) are the rows the previous kernel
+      // may write. FILTER 0 issues every key, 1 (the copies before the wait) all but those.
       const int64_t fresh_lo = len - n;
       auto issue = [&](int c, int slot, auto filter) {
         constexpr int FILTER = decltype(filter)::value;
@@ -389,8 +389,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
           const int fresh0 = fl < 0 ? 0 : (fl > KEYS ? KEYS : (int)fl);
           auto wanted = [&](int kk) {
             if constexpr (FILTER == 0) return true;
-            const bool fresh = kk >= fresh0 && kk < nvalid;
-            return FILTER == 1 ? !fresh : fresh;
+            return !(kk >= fresh0 && kk < nvalid);
           };
           auto block_ptrs = [&](int64_t jj, int row0, const unsigned char*& kb, const unsigned char*& vb) {
             const int id = jj < ntb ? s_tbl[jj] : -1;
@@ -481,8 +480,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       }
 
       // Loads the prologue waits for go out before the K/V copies (behind those they would wait for
-      // much of the stream): q rows (after the wait: q is the previous kernel's output) and, when
-      // speculating, the metadata and the first block ids again.
+      // much of the stream; early copies went out before the wait): q rows (after the wait: q is the
+      // previous kernel's output) and, when speculating, the metadata and the first block ids again.
       constexpr int NPL = (D / 2 + 31) / 32;  // q element pairs per lane
       constexpr int RR = kMaxGroup / kWarps;  // q rows per warp: w, w + 4, ...
       Q qv[RR][NPL][2];
