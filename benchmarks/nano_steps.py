@@ -5,12 +5,17 @@ steps, and decode-only steps by batch size (buckets of 32 sequences). For A/B ru
 kernel switches (environment variables) in one session, where gpu_e2e.py's whole-run figure hides
 where a change acts.
 
-    python benchmarks/nano_steps.py [--no-detokenize] [--max-num-batched-tokens N]
+    python benchmarks/nano_steps.py [--no-detokenize] [--max-num-batched-tokens N] [--gaps]
 
 A step's wall time is from the previous step's return to this one's: with overlapped scheduling that
-is the GPU time of about one step plus whatever the host adds."""
+is the GPU time of about one step plus whatever the host adds.
+
+--gaps records CUDA events around every step's GPU work and the host's phases (schedule, launch, the
+wait for the previous step's tokens, applying them): the GPU's idle time between steps (the host
+was late) by step kind, the steps with the largest gaps, and the host's time per phase."""
 import argparse
 import collections
+import gc
 import os
 import sys
 import tempfile
@@ -29,6 +34,7 @@ def main() -> int:
     ap.add_argument("--no-detokenize", action="store_true", help="skip detokenizing the outputs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--gaps", action="store_true", help="report the GPU's idle time between steps and the host's phases")
     args = ap.parse_args()
     root = tempfile.mkdtemp()
     path = gpu_e2e.write_model_dir(root, "qwen3_0.6b", gpu_e2e.QWEN3_06B, True)
@@ -55,6 +61,7 @@ def main() -> int:
         return out
 
     eng.scheduler.schedule = recording_schedule
+    timeline = StepTimeline(eng) if args.gaps else None
     for p, sp in zip(prompts, params):
         eng.add_request(p, sp)
     times = []
@@ -66,6 +73,8 @@ def main() -> int:
         last = now
     eng.scheduler.schedule = schedule
     wall = last - t0
+    if timeline is not None:
+        timeline.restore()
     print("wall %.3f s, %d steps, %.0f output tok/s (detokenize=%s)"
           % (wall, len(times), out_lens.sum() / wall, not args.no_detokenize))
     by_kind = collections.defaultdict(lambda: [0, 0.0])
@@ -82,7 +91,102 @@ def main() -> int:
     for k in sorted(by_batch):
         n, t = by_batch[k]
         print("  decode batch <=%3d: %4d steps %.2f ms/step" % (k, n, t / n * 1e3))
+    if timeline is not None:
+        timeline.report(kinds, times)
     return 0
+
+
+class StepTimeline:
+    """Wraps an engine's step phases: per step a (start, end) CUDA event pair around its GPU work and
+    the host's seconds in schedule, launch (runner + sampler), the wait for the previous step's
+    tokens, and applying them (outputs, detokenizing)."""
+
+    def __init__(self, eng):
+        from tallow import cuda
+
+        self.eng, self.events, self.host = eng, [], []
+        self._orig = {"_timing_events": eng._timing_events, "_finish": eng._finish, "step": eng.step}
+        cur = {}
+        self.collections = []  # (step, generation, seconds) of the garbage collector's runs
+        gc_start = [0.0]
+
+        def on_gc(phase, info):
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            else:
+                self.collections.append((len(self.host), info["generation"], time.perf_counter() - gc_start[0]))
+
+        self._on_gc = on_gc
+        gc.callbacks.append(on_gc)
+
+        def timing_events():
+            ev = (cuda.Event(True), cuda.Event(True))
+            ev[0].record()
+            self.events.append(ev)
+            return ev
+
+        def finish(pending):
+            t0 = time.perf_counter()
+            ev = getattr(pending.launched, "_event", None)
+            if ev is not None:
+                ev.synchronize()
+            t1 = time.perf_counter()
+            res = self._orig["_finish"](pending)
+            cur["wait"], cur["apply"] = t1 - t0, time.perf_counter() - t1
+            return res
+
+        def step():
+            cur.clear()
+            s0 = dict(eng.stats)
+            t0 = time.perf_counter()
+            res = self._orig["step"]()
+            total = time.perf_counter() - t0
+            self.host.append({"schedule": eng.stats["schedule_s"] - s0["schedule_s"],
+                              "launch": eng.stats["model_s"] - s0["model_s"],
+                              "wait": cur.get("wait", 0.0), "apply": cur.get("apply", 0.0), "total": total,
+                              "outputs": len(res)})
+            return res
+
+        eng._timing_events, eng._finish, eng.step = timing_events, finish, step
+
+    def restore(self):
+        for k, v in self._orig.items():
+            setattr(self.eng, k, v)
+        gc.callbacks.remove(self._on_gc)
+
+    def report(self, kinds, times):
+        for ev in self.events:
+            ev[1].synchronize()
+        gpu = [a.elapsed_time(b) for a, b in self.events]
+        gaps = [0.0] + [self.events[i - 1][1].elapsed_time(self.events[i][0]) for i in range(1, len(self.events))]
+        span = self.events[0][0].elapsed_time(self.events[-1][1]) if self.events else 0.0
+        print("GPU: %d steps, %.3f s from the first step's start to the last one's end: %.3f s of steps, "
+              "%.3f s idle between them" % (len(gpu), span / 1e3, sum(gpu) / 1e3, sum(gaps) / 1e3))
+        by = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for (prompt_tokens, decodes), g, idle in zip(kinds, gpu, gaps):
+            key = "mixed" if prompt_tokens else "decode<=%d" % ((decodes + 31) // 32 * 32)
+            by[key][0] += 1
+            by[key][1] += g
+            by[key][2] += idle
+        for k in sorted(by, key=lambda k: (k != "mixed", len(k), k)):
+            n, g, idle = by[k]
+            print("  %-11s %5d steps  GPU %.2f ms/step  idle before %.3f ms/step" % (k, n, g / n, idle / n))
+        print("largest gaps (ms): " + ", ".join(
+            "step %d %s %.2f" % (i, "mixed" if kinds[i][0] else "b%d" % kinds[i][1], gaps[i])
+            for i in sorted(range(len(gaps)), key=lambda i: -gaps[i])[:12]))
+        host = {k: sum(h[k] for h in self.host) for k in ("schedule", "launch", "wait", "apply", "total")}
+        print("host: " + ", ".join("%s %.3f s" % kv for kv in host.items())
+              + "; outside step(): %.3f s" % (sum(times) - host["total"]))
+        by_gen = collections.defaultdict(lambda: [0, 0.0])
+        for _, gen, sec in self.collections:
+            by_gen[gen][0] += 1
+            by_gen[gen][1] += sec
+        print("garbage collections: " + ", ".join("generation %d: %d, %.1f ms" % (g, n, s * 1e3)
+                                                  for g, (n, s) in sorted(by_gen.items()))
+              + "; longest: " + ", ".join("step %d gen %d %.1f ms" % (i, g, s * 1e3) for i, g, s in
+                                        sorted(self.collections, key=lambda c: -c[2])[:4]))
+        late = [i for i, h in enumerate(self.host) if h["total"] - h["wait"] > gpu[min(i, len(gpu) - 1)] / 1e3]
+        print("steps whose host work (all but the wait) took longer than a step's GPU time: %d" % len(late))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 // in place and the K/V cache write of every token in ONE launch, replacing up to five (rms_norm on q,
 // rms_norm on k, rotary_embedding, reshape_and_cache's K and V kernels).
 //
+// Two kernels, the same arithmetic. The warp kernel (below rope_cache_kernel; the default where
+// rows are one 16-byte pack a lane and no pack straddles the rotary part's edges) gives each warp
+// rows of one token and exchanges NeoX partners by shuffles. The block kernel takes every other
+// layout (and all of them with TALLOW_ROPE_WARP=0):
 // A block takes a token (grid-stride); its rows are the token's Hq q heads, Hk k heads and Hk v
 // heads, one row per group of G lanes (G = the power of two >= the row's 16-byte packs, at most 32),
 // every row of the token in flight at once for decode-sized blocks. A lane loads its packs of the
@@ -31,6 +35,7 @@
 // and out-of-range slots are skipped. Under capture on sm_90+ the kernel is launched with PDL
 // (pdl.cuh): it reads its first token's position and cos/sin row before waiting for the previous
 // kernel (the position is checked again after the wait), then lets its dependents launch.
+#include <array>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -283,6 +288,156 @@ __global__ void __launch_bounds__(NP == 1 ? 1024 : 512) rope_cache_kernel(const 
   }
 }
 
+// The warp kernel: rows of one 16-byte pack a lane (np == 1), every pack wholly inside or outside
+// the rotary part, 16-byte-aligned cos/sin rows. Each warp takes 32 / G rows of one token, with no
+// shared memory and no block barrier, so a warp waiting on its loads holds up no other (at prefill
+// sizes the block kernel's phases, all loads then all stores behind a barrier, left the memory
+// system idle between them). A NeoX pair's partner pack lies half / V lanes away in the same group:
+// it comes by shuffles instead of through shared memory. Each lane loads the cos/sin values of its
+// own pack (L1/L2 hits after the token's first warp). The arithmetic is rotate_pack's, so the
+// results are the block kernel's, bit for bit. PDL as there: the first token's position and cos/sin
+// values are read before the wait and checked after it.
+constexpr int kWarpKernelThreads = 256;
+
+// N floats from p into v: 16-byte loads where N % 4 == 0 (p 16-byte aligned), else 8-byte ones.
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float* v) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(p + i));
+      v[i] = f.x, v[i + 1] = f.y, v[i + 2] = f.z, v[i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 f = __ldg(reinterpret_cast<const float2*>(p + i));
+      v[i] = f.x, v[i + 1] = f.y;
+    }
+  }
+}
+
+// R: rows a lane takes of its token (every R-th warp row slot); their loads are all in flight before
+// the first is used, and they share the token's position, slot and cos/sin values.
+// Register bounds per R: one row a lane fits four CTAs an SM (a decode step's rows in one wave).
+template <class T, class C, bool NEOX, int R>
+__global__ void __launch_bounds__(kWarpKernelThreads, R == 1 ? 4 : R == 2 ? 3 : 2)
+    rope_cache_warp_kernel(const RopeCacheArgs a) {
+  constexpr int V = 16 / sizeof(T);
+  constexpr int N = NEOX ? V : V / 2;  // cos (and sin) values of a pack
+  using P = Pack<T, V>;
+  using CP = CachePack<C, V>;
+  const int G = a.G, lane = threadIdx.x & 31, sub = lane & (G - 1), rpw = 32 / G;
+  const int rows = a.Hq + 2 * a.Hk, rot_rows = a.Hq + a.Hk, wpt = (rows + rpw * R - 1) / (rpw * R);
+  const int64_t units = a.T * wpt, wstride = (int64_t)gridDim.x * (blockDim.x / 32);
+  const int e0 = sub * V;
+  const bool in_row = sub < a.nv, rot_pack = in_row && e0 < a.rot;
+  const bool first = NEOX ? e0 < a.half : true;
+  const int i0 = NEOX ? (first ? e0 : e0 - a.half) : e0 / 2;  // the pack's first cos/sin index
+  const int d = NEOX ? a.half / V : 0;                          // lanes to the partner pack
+  const int src = rot_pack && NEOX ? (first ? lane + d : lane - d) : lane;
+  float c[N], sn[N];
+  auto load_cs = [&](int64_t ps) {
+    const float* row = a.cs + ps * a.cs_stride;
+    load_floats<N>(row + i0, c);
+    load_floats<N>(row + a.half + i0, sn);
+  };
+  int64_t u = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  int64_t ps_spec = -1;
+  if (u < units) {
+    ps_spec = a.pos(u / wpt);
+    if (rot_pack && ps_spec >= 0 && ps_spec < a.max_pos) load_cs(ps_spec);
+  }
+  pdl_wait();  // before reading q/k/v or slots, and before the first write
+  pdl_launch_dependents();
+  const bool norm = a.qw != nullptr;
+  for (bool spec = true; u < units; u += wstride, spec = false) {
+    const int64_t t = u / wpt;
+    const int64_t ps = a.pos(t);
+    const bool rope_ok = ps >= 0 && ps < a.max_pos;
+    if (rot_pack && rope_ok && !(spec && ps == ps_spec)) load_cs(ps);
+    const int64_t slot = a.slots(t);
+    const bool store = slot >= 0 && slot < a.nslots;
+    T* row[R];
+    P x[R];
+    int h[R];
+    bool active[R], is_q[R], is_v[R];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {  // every row's load in flight first
+      const int r = ((int)(u % wpt) * R + k) * rpw + lane / G;
+      active[k] = r < rows && in_row, is_q[k] = r < a.Hq, is_v[k] = r >= rot_rows;
+      h[k] = is_q[k] ? r : is_v[k] ? r - rot_rows : r - a.Hq;
+      row[k] = is_q[k] ? static_cast<T*>(a.q) + t * a.qst + h[k] * a.qsh
+                       : is_v[k] ? const_cast<T*>(static_cast<const T*>(a.v)) + t * a.vst + h[k] * a.vsh
+                                 : static_cast<T*>(a.k) + t * a.kst + h[k] * a.ksh;
+      x[k] = P{};  // defined also where shuffled from a lane with no pack
+      if (active[k]) x[k] = *reinterpret_cast<const P*>(row[k] + e0);
+    }
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const bool qk = active[k] && !is_v[k];
+      if (norm) {  // the block kernel's norm with NP = 1 (lanes past the row add exact zeros)
+        P wp;
+        float acc = 0.f;
+        if (qk) {
+          wp = *reinterpret_cast<const P*>(static_cast<const T*>(is_q[k] ? a.qw : a.kw) + e0);
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const float f = to_float(x[k].v[j]);
+            acc = __fmaf_rn(f, f, acc);
+          }
+        }
+        for (int o = G >> 1; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        const float inv = 1.0f / sqrtf(acc / (float)a.D + a.eps);
+        if (qk) {
+#pragma unroll
+          for (int j = 0; j < V; ++j)
+            x[k].v[j] = from_float<T>(
+                __fmul_rn(__fmul_rn(to_float(x[k].v[j]), inv), __fadd_rn(to_float(wp.v[j]), a.w_add)));
+        }
+      }
+      P y = x[k];
+      const bool rotate = qk && rot_pack && rope_ok;
+      if constexpr (NEOX) {  // every lane shuffles (src = lane where nothing rotates)
+        P other;
+        const uint32_t* xw = reinterpret_cast<const uint32_t*>(&x[k]);
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&other);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) ow[w] = __shfl_sync(0xffffffffu, xw[w], src);
+        if (rotate) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const float xv = to_float(x[k].v[j]), ov = to_float(other.v[j]);
+            y.v[j] = first ? from_float<T>(__fmaf_rn(xv, c[j], -__fmul_rn(ov, sn[j])))
+                           : from_float<T>(a.b_first ? __fmaf_rn(xv, c[j], __fmul_rn(ov, sn[j]))
+                                                     : __fmaf_rn(ov, sn[j], __fmul_rn(xv, c[j])));
+          }
+        }
+      } else if (rotate) {
+#pragma unroll
+        for (int j = 0; j < V; j += 2) {
+          const float pa = to_float(x[k].v[j]), pb = to_float(x[k].v[j + 1]);
+          const float cj = c[j / 2], sj = sn[j / 2];
+          y.v[j] = from_float<T>(__fmaf_rn(pa, cj, -__fmul_rn(pb, sj)));
+          y.v[j + 1] = from_float<T>(a.b_first ? __fmaf_rn(pb, cj, __fmul_rn(pa, sj)) : __fmaf_rn(pa, sj, __fmul_rn(pb, cj)));
+        }
+      }
+      if (active[k]) {
+        if (!is_v[k]) *reinterpret_cast<P*>(row[k] + e0) = y;
+        if (store && !is_q[k]) {
+          const CacheArg& ca = is_v[k] ? a.vca : a.kca;
+          C* dst = static_cast<C*>(is_v[k] ? a.vc : a.kc) + (slot / a.bs) * ca.sb + (slot % a.bs) * ca.sr + h[k] * ca.sh;
+          const float scale = is_v[k] ? a.v_scale : a.k_scale;
+          CP out;
+#pragma unroll
+          for (int j = 0; j < V; ++j) out.v[j] = cache_value<C>(y.v[j], scale);
+          *reinterpret_cast<CP*>(dst + e0) = out;
+        }
+      }
+    }
+  }
+}
+
 __global__ void check_indices_kernel(IndexArg pos, IndexArg slots, int64_t T, int64_t max_pos, int64_t nslots,
                                      int* flag) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < T; i += (int64_t)gridDim.x * blockDim.x) {
@@ -417,10 +572,50 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
     return !(e && std::string(e) == "0");
   }();
   const bool pdl = use_pdl(ctx.stream) || (rope_pdl && pdl_capable(ctx.stream));
+  // The warp kernel where its layout holds (see above); TALLOW_ROPE_WARP=0 (read at each call, for
+  // A/B runs and tests) keeps the block kernel.
+  const char* warp_env = std::getenv("TALLOW_ROPE_WARP");
+  const bool warp = !(warp_env && std::string(warp_env) == "0") && np == 1 && a.packed && rot % V == 0 &&
+                    aligned_to(a.cs, 16) && a.cs_stride % 4 == 0;
+  // Rows a lane takes (R): the fewest that put the whole grid in one wave (latency-bound sizes: a
+  // decode step), else two (bandwidth-bound: more loads in flight a warp; H100, bench_rope_cache.py:
+  // 8,192 tokens 134 -> 112 us with one -> two, four no better). TALLOW_ROPE_ROWS=1|2|4 pins it.
+  const char* rows_env = std::getenv("TALLOW_ROPE_ROWS");
+  const int64_t row_slots = ceil_div(rows, 32 / G), wpb = kWarpKernelThreads / 32;
+  auto units_for = [&](int r) { return T * ceil_div(row_slots, (int64_t)r); };
+  int R = 2;
+  if (rows_env && (std::string(rows_env) == "1" || std::string(rows_env) == "2" || std::string(rows_env) == "4")) {
+    R = std::atoi(rows_env);
+  } else if (warp) {
+    static const std::array<int, 3> per_sm = [] {  // resident CTAs an SM of each R (bf16, the common case)
+      std::array<int, 3> n{};
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n[0], rope_cache_warp_kernel<__nv_bfloat16, __nv_bfloat16, true, 1>,
+                                                    kWarpKernelThreads, 0);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n[1], rope_cache_warp_kernel<__nv_bfloat16, __nv_bfloat16, true, 2>,
+                                                    kWarpKernelThreads, 0);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n[2], rope_cache_warp_kernel<__nv_bfloat16, __nv_bfloat16, true, 4>,
+                                                    kWarpKernelThreads, 0);
+      return n;
+    }();
+    const int64_t sms = sm_count();
+    if (ceil_div(units_for(1), wpb) <= per_sm[0] * sms) R = 1;
+    else if (ceil_div(units_for(2), wpb) <= per_sm[1] * sms) R = 2;
+    else if (ceil_div(units_for(4), wpb) <= per_sm[2] * sms) R = 4;
+  }
+  const unsigned warp_blocks = (unsigned)std::min<int64_t>(ceil_div(units_for(R), wpb), (int64_t)1 << 20);
   TALLOW_CUDA_DISPATCH_FLOAT(op, q.dtype(), [&] {
     using S = scalar_t;
     dispatch_cache(op, k_cache.dtype(), [&](auto ctag) {
       using C = decltype(ctag);
+      if (warp) {
+        auto kernel = neox ? (R == 4 ? rope_cache_warp_kernel<S, C, true, 4>
+                              : R == 2 ? rope_cache_warp_kernel<S, C, true, 2> : rope_cache_warp_kernel<S, C, true, 1>)
+                           : (R == 4 ? rope_cache_warp_kernel<S, C, false, 4>
+                              : R == 2 ? rope_cache_warp_kernel<S, C, false, 2> : rope_cache_warp_kernel<S, C, false, 1>);
+        TALLOW_CUDA_CHECK(op, launch_kernel(kernel, dim3(warp_blocks), dim3(kWarpKernelThreads), 0, ctx.stream,
+                                            pdl, a));
+        return;
+      }
       auto kernel = np == 1 ? rope_cache_kernel<S, C, 1> : rope_cache_kernel<S, C, kMaxPacks>;
       TALLOW_CUDA_CHECK(op, launch_kernel(kernel, dim3(blocks), dim3(threads), smem, ctx.stream, pdl, a));
     });

@@ -58,6 +58,10 @@ class KVCacheManager:
         counts new_computed_blocks). False, changing nothing, when the pool is too small."""
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
+        if not new_computed_blocks and total <= len(blocks) * self.block_size and \
+                total // self.block_size <= self._num_cached_blocks.get(req.request_id, 0):
+            return True  # most decode steps: room in the last block, every full block registered
+
         needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
         reused_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) + reused_free > self.pool.num_free_blocks:

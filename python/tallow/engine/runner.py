@@ -134,9 +134,7 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and end > start:
                 self._prompt_spans.append((req, start, end, t, req.params.prompt_logprobs))
             block_ids = self.kv.block_ids(req)
-            nb = len(block_ids)
-            row = inp.bt[i]
-            row[:nb] = block_ids
+            inp.set_block_row(i, block_ids)
             if n == 1:
                 np_ = req.num_prompt_tokens
                 inp.ids[t] = req.output_token_ids[start - np_] if start >= np_ else req.prompt_token_ids[start]
@@ -146,7 +144,7 @@ class ModelRunner:
                 inp.ids[t:t + n] = req.all_token_ids[start:start + n]
                 p = np.arange(start, start + n, dtype=np.int64)
                 inp.pos[t:t + n] = p
-                inp.slots[t:t + n] = row[p // bs].astype(np.int64) * bs + p % bs
+                inp.slots[t:t + n] = inp.bt[i][p // bs].astype(np.int64) * bs + p % bs
             t += n
             inp.seq_lens[i] = start + n
             inp.qsl[i + 1] = t
@@ -343,6 +341,7 @@ class ModelRunner:
         for i, (n, nb) in enumerate(zip(seq_lens, blocks)):
             table = np.arange(first, first + nb, dtype=np.int32)
             inp.bt[i, :nb] = table
+            inp.forget_block_rows(i, i + 1)
             p = np.arange(n, dtype=np.int64)
             inp.ids[t:t + n] = 0
             inp.pos[t:t + n] = p

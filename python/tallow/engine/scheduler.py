@@ -107,7 +107,7 @@ class Scheduler:
         for req in running:
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if preempted and req in preempted:  # preempted earlier in this loop
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining <= 0 or req.awaiting_final:

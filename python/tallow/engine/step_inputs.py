@@ -31,6 +31,10 @@ class StepInputs:
         self.pos = self.i64[:t]
         self.slots = self.i64[t:2 * t]
         self.rows = self.i64[2 * t:]
+        # Per block-table row: (the request's block-id list, how many of its ids the row holds). A
+        # request's list only grows while it lives (a preempted request gets a new list), so a row
+        # that held the same list last step needs only the new ids.
+        self._bt_rows: list = [None] * b
         if device == "cpu":
             self.d_i32, self.d_i64 = tallow.from_numpy(self.i32), tallow.from_numpy(self.i64)
         else:
@@ -38,6 +42,21 @@ class StepInputs:
             self.d_i64 = tallow.empty([self.i64.size], tallow._core.dtype("int64"), device)
             self.d_i32.copy_(tallow.from_numpy(self.i32))
             self.d_i64.copy_(tallow.from_numpy(self.i64))
+
+    def set_block_row(self, i: int, block_ids: list[int]) -> None:
+        """Row i of the block tables holds block_ids (the KV manager's list for one request)."""
+        n, prev = len(block_ids), self._bt_rows[i]
+        if prev is not None and prev[0] is block_ids and prev[1] <= n:
+            if prev[1] < n:
+                self.bt[i, prev[1]:n] = block_ids[prev[1]:]
+        else:
+            self.bt[i, :n] = block_ids
+        self._bt_rows[i] = (block_ids, n)
+
+    def forget_block_rows(self, start: int = 0, stop: int = None) -> None:
+        """Rows start..stop-1 were written otherwise: set_block_row rewrites them whole."""
+        stop = self.max_seqs if stop is None else stop
+        self._bt_rows[start:stop] = [None] * (stop - start)
 
     @property
     def nbytes(self) -> int:
@@ -85,3 +104,4 @@ class StepInputs:
         self.seq_lens[start:stop] = 1
         self.qsl[start + 1:stop + 1] = np.arange(num_tokens_before + 1, num_tokens_before + n + 1)
         self.bt[start:stop, 0] = 0
+        self.forget_block_rows(start, stop)
