@@ -122,14 +122,16 @@ __global__ void norm_kernel(const X* x, Strided xrows, R* res, Strided rrows, co
 // The same three norms with the row held in registers: each thread owns up to KMAX packs (all its
 // loads are issued before the reduction waits on them). Used when nv <= KMAX * blockDim.x. KMAX = 1
 // is the few-rows (decode) launch, latency-bound: one pack per thread, up to 1024 threads, and w and b
-// loaded with x (one memory round trip); with KMAX = 4 (up to 512 threads, so up to 128 registers
-// without spills) they come after the reduction.
+// loaded with x (one memory round trip). With KMAX = 4 (up to 512 threads, so up to 128 registers
+// without spills) RMSNorm's w still comes with x (a batch-256 decode step's norms are as
+// latency-bound: 64 threads a row, the reduction's round trip need not be followed by another);
+// layer_norm's w and b come after the reduction.
 template <class X, class R, int VEC, int kMode, int KMAX>
 __global__ void __launch_bounds__(KMAX == 1 ? 1024 : 512, 1) norm_reg_kernel(const X* x, Strided xrows, R* res, Strided rrows,
                                                         const X* __restrict__ w, const X* __restrict__ b,
                                                         X* __restrict__ out, NormArgs a) {
   using C = std::conditional_t<kMode == 1, R, X>;
-  constexpr bool kEarlyW = KMAX == 1;
+  constexpr bool kEarlyW = KMAX == 1 || kMode != 2;
   __shared__ float red[32];
   const int nv = (int)(a.H / VEC);
   pdl_launch_dependents();

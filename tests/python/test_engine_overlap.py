@@ -2,7 +2,8 @@
 with the unknown tokens filled in on the device. It is the default on a GPU; here it runs on the CPU
 (async_scheduling=True, device-side sampling ops) so CI covers the bookkeeping: the same tokens as the
 synchronous engine under greedy decoding, stop strings/ids, max_tokens, min_tokens, n > 1, aborts,
-prefix caching, preemption and penalties, and every KV block back in the pool afterwards."""
+prefix caching, preemption and penalties, and every KV block back in the pool afterwards; with one,
+two and three launched steps left unread (TALLOW_OVERLAP_DEPTH)."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,13 @@ pytest.importorskip("transformers", reason="transformers makes the random checkp
 
 from engine_models import make_llama  # noqa: E402
 from tallow import LLM, SamplingParams  # noqa: E402
+
+
+@pytest.fixture(autouse=True, params=["1", "2", "3"], ids=["depth1", "depth2", "depth3"])
+def overlap_depth(request, monkeypatch):
+    """Launched steps left unread between steps (TALLOW_OVERLAP_DEPTH; the GPU default is 2)."""
+    monkeypatch.setenv("TALLOW_OVERLAP_DEPTH", request.param)
+    return int(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +36,7 @@ def prompts(n, seed=0, lo=2, hi=60):
 def assert_pool_free(llm):
     kv = llm.engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
-    assert llm.engine._pending is None
+    assert not llm.engine._pending
 
 
 def run(model_dir, reqs, params, **kw):
@@ -39,8 +47,9 @@ def run(model_dir, reqs, params, **kw):
 
 
 @pytest.mark.parametrize("extra", [dict(), dict(num_kv_blocks=24, max_num_seqs=8), dict(prefill_chunk_size=16,
-                                                                                        max_num_batched_tokens=32)],
-                         ids=["plain", "preempting", "chunked"])
+                                                                                        max_num_batched_tokens=32),
+                                   dict(prefill_chunk_size=8, max_num_batched_tokens=8)],
+                         ids=["plain", "preempting", "chunked", "decodes-left-out"])
 def test_overlap_equals_sync_greedy(model_dir, extra):
     reqs = prompts(12)
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in np.arange(12) * 3 + 1]
@@ -102,6 +111,33 @@ def test_overlap_abort_midway_frees_everything(model_dir):
     assert not eng.has_unfinished_requests()
     assert set(done) <= set(ids[1::2]) and len(done) == 4
     # Flush a pending step, if any, then the pool must be whole.
-    while eng._pending is not None or eng.scheduler.has_unfinished:
+    while eng._pending or eng.scheduler.has_unfinished:
         eng.step()
     assert_pool_free(llm)
+
+
+def test_overlap_request_left_out_of_a_step(model_dir):
+    """A live request that a step leaves out (as a token budget or a preemption may) while older steps
+    are unread: its newest token belongs to an older step than the device holds for the next one, so
+    the engine reads that step first (the same tokens as the synchronous engine)."""
+    def go(async_scheduling):
+        llm = LLM(str(model_dir), dtype="float32", async_scheduling=async_scheduling)
+        sched = llm.engine.scheduler
+        schedule, calls = sched.schedule, [0]
+
+        def leaving_one_out():
+            calls[0] += 1
+            held = sched.running[:1] if calls[0] in (6, 7, 11) else []
+            for r in held:
+                sched.running.remove(r)
+            try:
+                return schedule()
+            finally:
+                sched.running[:0] = held
+
+        sched.schedule = leaving_one_out
+        outs = llm.generate(prompts(4, seed=7), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert_pool_free(llm)
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert go(True) == go(False)

@@ -1,6 +1,7 @@
 """LLMEngine: model + KV cache + scheduler + sampler + detokenizer behind add_request / step."""
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import logging
@@ -35,6 +36,13 @@ _LONGEST_FIRST = os.environ.get("TALLOW_DECODE_ORDER", "length") != "fcfs"
 # first, so what an earlier one froze can still be collected. TALLOW_GC_FREEZE=0 leaves the
 # collector alone.
 _GC_FREEZE = os.environ.get("TALLOW_GC_FREEZE", "1") != "0"
+# Overlapped steps: how many launched steps may be unread when step() returns. Two give the host a
+# whole step of slack (a host pause shorter than a GPU step costs nothing): on an H100 the nano-vllm
+# workload's GPU sat idle 0.05-0.13 s of a 7.5 s run between steps with one, the host late after
+# pauses of 5-20 ms. Outputs then come two steps after their tokens were sampled. Read per engine.
+def _overlap_depth() -> int:
+    return max(1, int(os.environ.get("TALLOW_OVERLAP_DEPTH", "") or 2))
+
 
 
 def _order_decode_batch(out) -> None:
@@ -204,7 +212,9 @@ class LLMEngine:
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(args.seed)
-        self._pending: Optional[_PendingStep] = None  # GPU: the launched step whose tokens are not read yet
+        # GPU: launched steps whose tokens are not read yet, oldest first (at most the overlap depth between steps)
+        self._pending: collections.deque[_PendingStep] = collections.deque()
+        self._overlap_depth = _overlap_depth()
         self.stats = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "steps": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
         if _GC_FREEZE and self.device != "cpu":
@@ -359,10 +369,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns a delta RequestOutput per group that changed.
 
-        With overlap (async_scheduling, the default on a GPU), steps overlap with the host: step n is launched before step n-1's sampled tokens
-        are read back, and the outputs returned are step n-1's. A request whose newest token is still
-        on the device holds -(row + 1) in its output ids; the runner fills that token in on the device.
-        Penalised requests need their full history on the host, so a step after one sampling them waits."""
+        With overlap (async_scheduling, the default on a GPU), steps overlap with the host: step n is
+        launched before the tokens of steps n-1 (and n-2: TALLOW_OVERLAP_DEPTH, default 2) are read
+        back, and the outputs returned are the oldest unread step's. A request whose newest tokens are
+        still on the device holds -(row + 1) for each in its output ids; the runner fills the newest
+        in on the device. Penalised requests need their full history on the host, so a step after one
+        sampling them waits (see _must_read_first)."""
         with self.runner.on_stream():  # every op of the step (model, sampling, copies) on one stream
             if not self.overlap:
                 return self._step_sync()
@@ -370,17 +382,14 @@ class LLMEngine:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        pending = self._pending
-        if pending is not None and pending.needs_history:
-            self._pending = None
-            return self._finish(pending)
+        if self._pending and self._must_read_first():
+            return self._finish(self._pending.popleft())
         out = self.scheduler.schedule()
         _order_decode_batch(out)
         t1 = time.perf_counter()
         if out.is_empty:
-            if pending is not None:
-                self._pending = None
-                return self._finish(pending)
+            if self._pending:
+                return self._finish(self._pending.popleft())
             if self.scheduler.has_unfinished:
                 raise RuntimeError("scheduler made no progress: the KV cache cannot hold the waiting request")
             return []
@@ -404,12 +413,29 @@ class LLMEngine:
                     req.num_tokens >= self.max_model_len:
                 req.awaiting_final = True
         needs_history = any(_penalised(r.params) for r in to_sample)
-        self._pending = _PendingStep(to_sample, slots, launched, needs_history, timing)
+        self._pending.append(_PendingStep(to_sample, slots, launched, needs_history, timing))
         t2 = time.perf_counter()
         self.stats["schedule_s"] += t1 - t0
         self.stats["model_s"] += t2 - t1
         self.stats["steps"] += 1
-        return self._finish(pending) if pending is not None else []
+        if len(self._pending) > self._overlap_depth:
+            return self._finish(self._pending.popleft())
+        return []
+
+    def _must_read_first(self) -> bool:
+        """Whether the oldest launched step's tokens must reach the host before the next step is
+        scheduled. Penalised requests need their whole history there. And an unknown token is filled
+        in on the device from the newest sampling step only (runner.prev_ids), so a live request that
+        an older launched step sampled but the newest did not (preempted, or left out for the token
+        budget) waits until that older step is read."""
+        pending = self._pending
+        if any(p.needs_history for p in pending):
+            return True
+        if len(pending) < 2:
+            return False
+        newest = pending[-1].req_set
+        return any(r not in newest and not r.is_finished and not r.awaiting_final
+                   for i in range(len(pending) - 1) for r in pending[i].reqs)
 
     def _timing_events(self):
         """With TALLOW_STEP_TIMING=1 on a GPU: a started (start, end) event pair; stats["gpu_s"] then sums
@@ -549,7 +575,9 @@ class LLMEngine:
             upto = max(seq.sent_text, len(seq.text) - hold)
             text = seq.text[seq.sent_text:upto]
             out_ids = seq.req.output_token_ids
-            known = len(out_ids) - (1 if out_ids and out_ids[-1] < 0 else 0)
+            known = len(out_ids)
+            while known and out_ids[known - 1] < 0:  # tokens still on the device (at most the overlap depth)
+                known -= 1
             ids = out_ids[seq.sent_tokens:known]
             lps = seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else None
             seq.sent_text, seq.sent_tokens = upto, known
@@ -625,11 +653,18 @@ class LLMEngine:
 class _PendingStep:
     """A launched step whose sampled tokens have not been read back yet."""
 
-    __slots__ = ("reqs", "slots", "launched", "needs_history", "timing")
+    __slots__ = ("reqs", "slots", "launched", "needs_history", "timing", "_req_set")
 
     def __init__(self, reqs, slots, launched, needs_history: bool, timing=None):
         self.reqs, self.slots, self.launched, self.needs_history = reqs, slots, launched, needs_history
         self.timing = timing  # (start, end) CUDA events around the step's GPU work, when measured
+        self._req_set = None
+
+    @property
+    def req_set(self) -> frozenset:
+        if self._req_set is None:
+            self._req_set = frozenset(self.reqs)
+        return self._req_set
 
 
 def _penalised(p: SamplingParams) -> bool:
