@@ -201,12 +201,13 @@ class LLMEngine:
         if graph_bs:
             self.runner.capture_graphs(graph_bs)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, max_batched, args.prefill_chunk_size), self.kv)
+        self._overlap_depth = _overlap_depth() if self.overlap else 1
         if not self.runner.device_sampling:
             self.sampler = Sampler(cfg.vocab_size)
         else:
             from tallow.engine.gpu_sampler import GpuSampler
 
-            self.sampler = GpuSampler(cfg.vocab_size)
+            self.sampler = GpuSampler(cfg.vocab_size, overlap_depth=self._overlap_depth)
         self.eos_ids = set(tok.eos_token_ids) | set(cfg.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
@@ -214,7 +215,6 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(args.seed)
         # GPU: launched steps whose tokens are not read yet, oldest first (at most the overlap depth between steps)
         self._pending: collections.deque[_PendingStep] = collections.deque()
-        self._overlap_depth = _overlap_depth()
         self.stats = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "steps": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
         if _GC_FREEZE and self.device != "cpu":

@@ -78,12 +78,13 @@ class _PenaltyRow:
 
 
 class GpuSampler:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, overlap_depth: int = 1):
+        """overlap_depth: how many launched steps the engine leaves unread (sizes the host buffers)."""
         self.vocab_size = vocab_size
         self._seeds: dict[str, int] = {}
         self._penalty: dict[str, _PenaltyRow] = {}
         self._bias: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._pinned = _PinnedRing()
+        self._pinned = _PinnedRing(overlap_depth)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished or aborted request's seed, penalty and logit-bias state."""
@@ -228,11 +229,12 @@ class GpuSampler:
 
 class _PinnedRing:
     """Page-locked host buffers reused round-robin (allocating them costs far more than a step's copy).
-    At most two launched steps are alive at once, so a ring of four per shape is never overtaken."""
+    At most overlap depth + 1 launched steps are alive at once (the engine's unread ones and the one
+    being launched), each taking up to two buffers of one shape (ids and ranks), so a ring of
+    2 * (depth + 1) per shape is never overtaken."""
 
-    SLOTS = 4
-
-    def __init__(self):
+    def __init__(self, overlap_depth: int = 1):
+        self.slots = 2 * (max(1, overlap_depth) + 1)
         self._rings: dict[tuple, list] = {}
 
     def take(self, shape: tuple, dtype) -> tallow.Tensor:
@@ -242,9 +244,9 @@ class _PinnedRing:
         key = (cap, tuple(shape[1:]), str(dtype))
         ring = self._rings.get(key)
         if ring is None:
-            ring = self._rings[key] = [[cuda.empty_pinned((cap, *shape[1:]), dtype) for _ in range(self.SLOTS)], 0]
+            ring = self._rings[key] = [[cuda.empty_pinned((cap, *shape[1:]), dtype) for _ in range(self.slots)], 0]
         bufs, i = ring
-        ring[1] = (i + 1) % self.SLOTS
+        ring[1] = (i + 1) % self.slots
         return bufs[i].narrow(0, 0, int(shape[0]))
 
 
