@@ -263,13 +263,25 @@ def test_cuda_graph_capture_after_producer(rng):
 
 # ---- errors: named after the op, raised before anything is written -----------------------------
 
+@pytest.fixture
+def index_checks_on():
+    """The CUDA index checks on for the test (an engine built earlier in the process turns them off)."""
+    if not tc.is_available():
+        yield
+        return
+    was = tc.index_checks()
+    tc.set_index_checks(True)
+    yield
+    tc.set_index_checks(was)
+
+
 def _err_inputs(rng, device="cpu"):
     sc = SCENARIOS["qwen3-qk-norm"]
     return sc, make_inputs(rng, sc, "float32", 5, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_out_of_range_position_raises_and_writes_nothing(device, rng):
+def test_out_of_range_position_raises_and_writes_nothing(device, rng, index_checks_on):
     sc, inp = _err_inputs(rng, device)
     pos = inp["pos"].to("cpu").numpy().copy()
     pos[3] = 2048  # == max_pos
@@ -284,7 +296,7 @@ def test_out_of_range_position_raises_and_writes_nothing(device, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_out_of_range_slot_raises_and_writes_nothing(device, rng):
+def test_out_of_range_slot_raises_and_writes_nothing(device, rng, index_checks_on):
     sc, inp = _err_inputs(rng, device)
     slots = inp["slots"].to("cpu").numpy().copy()
     slots[2] = inp["k_cache"].shape[0] * inp["k_cache"].shape[1]
