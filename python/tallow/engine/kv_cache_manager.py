@@ -22,17 +22,23 @@ class KVCacheManager:
 
     # -- hashing ---------------------------------------------------------------------------------
     def _update_block_hashes(self, req: Request) -> None:
-        bs = self.block_size
-        tokens = None
-        while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
-            if tokens is None:
-                tokens = req.all_token_ids
-            i = len(req.block_hashes)
-            block = tokens[i * bs:(i + 1) * bs]
-            if block[-1] < 0:  # a sampled token the host does not know yet (overlapped steps): later
-                break
-            parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
-            req.block_hashes.append(hash_block(parent, block))
+        # Slices of the prompt and output lists (not req.all_token_ids: overlapped steps call this
+        # with a block's last token still unknown, once per step until it is, at every block).
+        bs, hashes = self.block_size, req.block_hashes
+        prompt, out = req.prompt_token_ids, req.output_token_ids
+        n_prompt = len(prompt)
+        while (len(hashes) + 1) * bs <= n_prompt + len(out):
+            lo = len(hashes) * bs
+            hi = lo + bs
+            if (prompt[hi - 1] if hi <= n_prompt else out[hi - 1 - n_prompt]) < 0:
+                break  # a sampled token the host does not know yet (overlapped steps): later
+            if hi <= n_prompt:
+                block = prompt[lo:hi]
+            elif lo >= n_prompt:
+                block = out[lo - n_prompt:hi - n_prompt]
+            else:
+                block = prompt[lo:] + out[:hi - n_prompt]
+            hashes.append(hash_block(hashes[-1] if hashes else NONE_HASH, block))
 
     # -- scheduling API --------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
