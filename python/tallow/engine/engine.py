@@ -30,19 +30,26 @@ _LONGEST_FIRST = os.environ.get("TALLOW_DECODE_ORDER", "length") != "fcfs"
 # Once the engine is built (on a GPU), everything alive then (modules, the model, the tokenizer's
 # ~550k tables entries at a 152k vocabulary) moves to the collector's permanent generation, and the
 # youngest generation is collected every 50,000 allocations instead of 700, so full collections,
-# which stop the host while the GPU drains its queue, become rare and scan only what came later:
-# in the nano-vllm workload (H100, `python benchmarks/nano_steps.py --gaps`) the run's three full
-# collections took 20-33 ms each, with the freeze alone 9-13 ms. An engine built later unfreezes
-# first, so what an earlier one froze can still be collected. TALLOW_GC_FREEZE=0 leaves the
-# collector alone.
+# which stop the host while the GPU drains its queue, become rare and scan only what came later.
+# In the nano-vllm workload (H100, `python benchmarks/nano_steps.py --gaps`) the run's three full
+# collections took 20-33 ms each, 9-13 ms with the freeze alone, and none ran with both. An engine
+# built later unfreezes first, so what an earlier one froze can still be collected.
+# TALLOW_GC_FREEZE=0 leaves the collector alone.
 _GC_FREEZE = os.environ.get("TALLOW_GC_FREEZE", "1") != "0"
-# Overlapped steps: how many launched steps may be unread when step() returns. Two give the host a
-# whole step of slack (a host pause shorter than a GPU step costs nothing): on an H100 the nano-vllm
-# workload's GPU sat idle 0.05-0.13 s of a 7.5 s run between steps with one, the host late after
-# pauses of 5-20 ms. Outputs then come two steps after their tokens were sampled. Read per engine.
-def _overlap_depth() -> int:
-    return max(1, int(os.environ.get("TALLOW_OVERLAP_DEPTH", "") or 2))
 
+
+def _overlap_depth() -> int:
+    """Overlapped steps: how many launched steps may be unread when step() returns
+    (TALLOW_OVERLAP_DEPTH, default 2), read per engine. With two the host has a whole GPU step of
+    slack: on some H100 machines the nano-vllm workload's GPU sat idle 0.05-0.13 s of a 7.5 s run
+    between steps with one, after host pauses of 5-20 ms; on a quiet one both measured the same.
+    Outputs then come two steps after their tokens were sampled."""
+    raw = os.environ.get("TALLOW_OVERLAP_DEPTH", "")
+    try:
+        return max(1, int(raw or 2))
+    except ValueError:
+        log.warning("TALLOW_OVERLAP_DEPTH=%r is not a whole number; using 2", raw)
+        return 2
 
 
 def _order_decode_batch(out) -> None:
