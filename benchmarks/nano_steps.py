@@ -1,9 +1,10 @@
 """The nano-vllm workload (benchmarks/gpu_e2e.py --target nanovllm: Qwen3-0.6B shape, random weights,
 256 sequences, input and output lengths uniform in 100-1024, seed 0, ignore_eos) through the engine
 one step at a time, reporting wall time per step: mixed steps (with prompt tokens) against decode-only
-steps, and decode-only steps by batch size (buckets of 32 sequences). For A/B runs of engine and
-kernel switches (environment variables) in one session, where gpu_e2e.py's whole-run figure hides
-where a change acts.
+steps, and decode-only steps by batch size (buckets of 32 sequences), each bucket with the time its
+bytes take at the copy bandwidth (the weights once a step, the KV of every context its rows attend)
+and that time's ratio to the measured one. For A/B runs of engine and kernel switches (environment
+variables) in one session, where gpu_e2e.py's whole-run figure hides where a change acts.
 
     python benchmarks/nano_steps.py [--no-detokenize] [--max-num-batched-tokens N] [--gaps]
 
@@ -21,8 +22,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_e2e  # noqa: E402
 
@@ -36,28 +35,34 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--gaps", action="store_true", help="report the GPU's idle time between steps and the host's phases")
     args = ap.parse_args()
+    # Bytes a decode step reads (weights once, KV of every context), against the copy bandwidth.
+    bw = gpu_e2e.copy_bandwidth(args.device)
+    w_bytes = gpu_e2e.decode_weight_bytes(gpu_e2e.QWEN3_06B)
+    kv_bytes = gpu_e2e.kv_bytes_per_token(gpu_e2e.QWEN3_06B, "auto")
+    print("copy bandwidth %.0f GB/s; a decode step reads %.2f GB of weights and %d bytes of KV a context token"
+          % (bw / 1e9, w_bytes / 1e9, kv_bytes))
+    gpu_e2e.release_device_memory()
     root = tempfile.mkdtemp()
     path = gpu_e2e.write_model_dir(root, "qwen3_0.6b", gpu_e2e.QWEN3_06B, True)
     kw = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(model=path, device=args.device, dtype="bfloat16", load_format="dummy", max_model_len=4096,
               max_num_seqs=256, **kw)
-    rng = np.random.default_rng(0)
-    in_lens = rng.integers(100, 1025, 256)
-    prompts = [{"prompt_token_ids": rng.integers(0, 10001, int(n)).tolist()} for n in in_lens]
-    out_lens = rng.integers(100, 1025, 256)
-    params = [SamplingParams(max_tokens=int(n), ignore_eos=True, temperature=0.0, detokenize=not args.no_detokenize)
+    token_lists, out_lens, rng = gpu_e2e.nanovllm_workload()
+    prompts = [{"prompt_token_ids": t} for t in token_lists]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=not args.no_detokenize)
               for n in out_lens]
     warm = [{"prompt_token_ids": rng.integers(0, 10001, 64).tolist()} for _ in range(4)]
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
 
     eng = llm.engine
-    kinds = []  # per step: (prompt tokens, decode sequences)
+    kinds = []  # per step: (prompt tokens, decode sequences, keys the decode rows attend)
     schedule = eng.scheduler.schedule
 
     def recording_schedule():
         out = schedule()
         n = [out.num_scheduled_tokens[r.request_id] for r in out.requests]
-        kinds.append((sum(x for x in n if x > 1), sum(1 for x in n if x == 1)))
+        keys = sum(r.num_computed_tokens + 1 for r, x in zip(out.requests, n) if x == 1)
+        kinds.append((sum(x for x in n if x > 1), sum(1 for x in n if x == 1), keys))
         return out
 
     eng.scheduler.schedule = recording_schedule
@@ -76,21 +81,23 @@ def main() -> int:
     if timeline is not None:
         timeline.restore()
     print("wall %.3f s, %d steps, %.0f output tok/s (detokenize=%s)"
-          % (wall, len(times), out_lens.sum() / wall, not args.no_detokenize))
+          % (wall, len(times), sum(out_lens) / wall, not args.no_detokenize))
     by_kind = collections.defaultdict(lambda: [0, 0.0])
-    by_batch = collections.defaultdict(lambda: [0, 0.0])
-    for (prompt_tokens, decodes), t in zip(kinds, times):
+    by_batch = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for (prompt_tokens, decodes, keys), t in zip(kinds, times):
         by_kind["mixed" if prompt_tokens else "decode"][0] += 1
         by_kind["mixed" if prompt_tokens else "decode"][1] += t
         if not prompt_tokens and decodes:
             b = by_batch[(decodes + 31) // 32 * 32]
             b[0] += 1
             b[1] += t
+            b[2] += (w_bytes + keys * kv_bytes) / bw
     for k, (n, t) in by_kind.items():
         print("  %-6s %5d steps %.3f s (%.2f ms/step)" % (k, n, t, t / n * 1e3))
     for k in sorted(by_batch):
-        n, t = by_batch[k]
-        print("  decode batch <=%3d: %4d steps %.2f ms/step" % (k, n, t / n * 1e3))
+        n, t, floor = by_batch[k]
+        print("  decode batch <=%3d: %4d steps %.2f ms/step (its bytes at the copy bandwidth: %.2f ms, %.2f)"
+              % (k, n, t / n * 1e3, floor / n * 1e3, floor / t))
     if timeline is not None:
         timeline.report(kinds, times)
     return 0
@@ -163,7 +170,7 @@ class StepTimeline:
         print("GPU: %d steps, %.3f s from the first step's start to the last one's end: %.3f s of steps, "
               "%.3f s idle between them" % (len(gpu), span / 1e3, sum(gpu) / 1e3, sum(gaps) / 1e3))
         by = collections.defaultdict(lambda: [0, 0.0, 0.0])
-        for (prompt_tokens, decodes), g, idle in zip(kinds, gpu, gaps):
+        for (prompt_tokens, decodes, _), g, idle in zip(kinds, gpu, gaps):
             key = "mixed" if prompt_tokens else "decode<=%d" % ((decodes + 31) // 32 * 32)
             by[key][0] += 1
             by[key][1] += g
