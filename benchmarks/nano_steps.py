@@ -7,6 +7,7 @@ and that time's ratio to the measured one. For A/B runs of engine and kernel swi
 variables) in one session, where gpu_e2e.py's whole-run figure hides where a change acts.
 
     python benchmarks/nano_steps.py [--no-detokenize] [--max-num-batched-tokens N] [--gaps]
+    python benchmarks/nano_steps.py --bytes-only 3000   # no GPU: the buckets' bytes at 3,000 GB/s
 
 A step's wall time is from the previous step's return to this one's: with overlapped scheduling that
 is the GPU time of about one step plus whatever the host adds.
@@ -34,11 +35,16 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--gaps", action="store_true", help="report the GPU's idle time between steps and the host's phases")
+    ap.add_argument("--bytes-only", type=float, default=None, metavar="GB_S",
+                    help="run nothing: the decode buckets' bytes at this copy bandwidth, for the workload's decode "
+                         "steps counted on the host (every request decoding from the start; no GPU needed)")
     args = ap.parse_args()
     # Bytes a decode step reads (weights once, KV of every context), against the copy bandwidth.
-    bw = gpu_e2e.copy_bandwidth(args.device)
     w_bytes = gpu_e2e.decode_weight_bytes(gpu_e2e.QWEN3_06B)
     kv_bytes = gpu_e2e.kv_bytes_per_token(gpu_e2e.QWEN3_06B, "auto")
+    if args.bytes_only is not None:
+        return bucket_bytes(w_bytes, kv_bytes, args.bytes_only * 1e9)
+    bw = gpu_e2e.copy_bandwidth(args.device)
     print("copy bandwidth %.0f GB/s; a decode step reads %.2f GB of weights and %d bytes of KV a context token"
           % (bw / 1e9, w_bytes / 1e9, kv_bytes))
     gpu_e2e.release_device_memory()
@@ -100,6 +106,24 @@ def main() -> int:
               % (k, n, t / n * 1e3, floor / n * 1e3, floor / t))
     if timeline is not None:
         timeline.report(kinds, times)
+    return 0
+
+
+def bucket_bytes(w_bytes: int, kv_bytes: int, bw: float) -> int:
+    """The decode-only buckets' time at the copy bandwidth, counting steps on the host: decode step s
+    runs every request with more than s output tokens over its prompt + s keys."""
+    token_lists, out_lens, _ = gpu_e2e.nanovllm_workload()
+    prompt_lens = [len(t) for t in token_lists]
+    by_batch = collections.defaultdict(lambda: [0, 0.0])
+    for s in range(1, max(out_lens)):
+        live = [p + s for p, n in zip(prompt_lens, out_lens) if n > s]
+        b = by_batch[(len(live) + 31) // 32 * 32]
+        b[0] += 1
+        b[1] += (w_bytes + sum(live) * kv_bytes) / bw
+    print("copy bandwidth %.0f GB/s (given); decode steps counted on the host" % (bw / 1e9))
+    for k in sorted(by_batch):
+        n, t = by_batch[k]
+        print("  decode batch <=%3d: %4d steps, bytes at the copy bandwidth %.2f ms/step" % (k, n, t / n * 1e3))
     return 0
 
 
