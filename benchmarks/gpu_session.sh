@@ -2,7 +2,8 @@
 # One GPU session on a CUDA machine: build tallow for sm_90 (TALLOW_CUDA_ARCHS overrides), run the
 # CUDA tests and the benchmarks, logs and JSON results under $OUT (default /tmp/tallow-gpu).
 # Stages can be picked: bash benchmarks/gpu_session.sh [build] [test] [backend] [engine] [bench] [attn]
-# [sampling] [e2e] (default: all). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
+# [sampling] [e2e] (default: all of these) [mix] [nano] (only when named: bench_decode_mix.py, and
+# nano_steps.py --gaps). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
 # installed into /tmp/site first; TALLOW_TEST_DATA defaults to .gpu_data when that folder exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,5 +70,13 @@ fi
 if has e2e; then
   python3 benchmarks/gpu_e2e.py --target all --check-pool --json "$OUT/e2e.json" ${E2E_FLAGS:-} >"$OUT/e2e.log" 2>&1 || rc=1
   tail -14 "$OUT/e2e.log"
+fi
+if has mix; then
+  python3 benchmarks/bench_decode_mix.py --json "$OUT/decode_mix.json" ${MIX_FLAGS:-} >"$OUT/decode_mix.log" 2>&1 || rc=1
+  tail -8 "$OUT/decode_mix.log"
+fi
+if has nano; then
+  python3 benchmarks/nano_steps.py --gaps >"$OUT/nano_steps.log" 2>&1 || rc=1
+  grep -E "^(wall|copy|GPU|  decode batch|host)" "$OUT/nano_steps.log"
 fi
 exit $rc
