@@ -179,3 +179,19 @@ def test_decode_batch_longest_context_first(monkeypatch):
     out.num_scheduled_tokens[out.requests[0].request_id] = 3
     E._order_decode_batch(out)
     assert [r.request_id for r in out.requests] == fcfs
+
+
+def test_overlap_depth_setting(monkeypatch, caplog):
+    """TALLOW_OVERLAP_DEPTH: launched steps left unread (default 2, at least 1); a value that is not a
+    whole number falls back to 2 with a warning naming the variable."""
+    from tallow.engine import engine as E
+
+    for raw, want in (("", 2), ("1", 1), ("3", 3), ("0", 1), ("-4", 1)):
+        monkeypatch.setenv("TALLOW_OVERLAP_DEPTH", raw)
+        assert E._overlap_depth() == want, raw
+    monkeypatch.delenv("TALLOW_OVERLAP_DEPTH")
+    assert E._overlap_depth() == 2
+    monkeypatch.setenv("TALLOW_OVERLAP_DEPTH", "two")
+    with caplog.at_level("WARNING", logger="tallow.engine"):
+        assert E._overlap_depth() == 2
+    assert "TALLOW_OVERLAP_DEPTH" in caplog.text and "'two'" in caplog.text
