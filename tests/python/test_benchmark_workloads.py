@@ -61,3 +61,41 @@ def test_decode_mix_without_cuda_says_so():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no CUDA device" in r.stdout
+
+
+@pytest.mark.parametrize("variant", ["base", "no_norm", "no_rope", "no_attn", "no_all"])
+def test_decode_breakdown_nano_variants_run(variant, monkeypatch):
+    """decode_breakdown.py --shape nano's variants (kernel families monkeypatched out of the model) run
+    through the engine: here on the CPU with a tiny Qwen3 and a small batch, for the bookkeeping."""
+    import decode_breakdown as DB
+    from tallow.layers import attention as A
+    from tallow.layers import norm as N
+
+    for cls, names in ((N.RMSNorm, ("add_norm", "__call__", "linear")), (A.PagedAttention, ("rope_and_attend", "attend"))):
+        for name in names:  # restored after the test: the variants patch these classes
+            monkeypatch.setattr(cls, name, getattr(cls, name))
+    tiny = dict(gpu_e2e.QWEN3_06B, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=512, bos_token_id=510,
+                eos_token_id=511)
+    monkeypatch.setattr(gpu_e2e, "QWEN3_06B", tiny)
+    monkeypatch.setattr(DB, "DEVICE", "cpu")
+    monkeypatch.setattr(DB, "NANO_BATCH", 4)
+    monkeypatch.setattr(DB, "NANO_PROMPT", 20)
+    monkeypatch.setattr(DB, "NANO_STEPS", 12)
+    from tallow import ops
+
+    calls = {}
+    families = {"norm": ("rms_norm", "fused_add_rms_norm", "rms_norm_linear"), "rope": ("rope_and_cache",),
+                "attn": ("paged_attention",)}
+    for family, names in families.items():
+        for name in names:
+            def counted(*a, _f=getattr(ops, name), _family=family, **kw):
+                calls[_family] = calls.get(_family, 0) + 1
+                return _f(*a, **kw)
+            monkeypatch.setattr(ops, name, counted)
+    ms = DB.run_variant(variant, "nano")
+    assert ms > 0
+    removed = {"base": (), "no_norm": ("norm",), "no_rope": ("rope",), "no_attn": ("attn",),
+               "no_all": ("norm", "rope", "attn")}[variant]
+    for family in families:  # the variant's families never ran, the others did
+        assert (calls.get(family, 0) == 0) == (family in removed), (family, calls)
