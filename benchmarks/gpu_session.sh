@@ -2,8 +2,8 @@
 # One GPU session on a CUDA machine: build tallow for sm_90 (TALLOW_CUDA_ARCHS overrides), run the
 # CUDA tests and the benchmarks, logs and JSON results under $OUT (default /tmp/tallow-gpu).
 # Stages can be picked: bash benchmarks/gpu_session.sh [build] [test] [backend] [engine] [bench] [attn]
-# [sampling] [e2e] (default: all of these) [mix] [nano] (only when named: bench_decode_mix.py, and
-# nano_steps.py --gaps). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
+# [sampling] [e2e] (default: all of these) [mix] [nano] [breakdown] (only when named:
+# bench_decode_mix.py, nano_steps.py --gaps, decode_breakdown.py --shape nano). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
 # installed into /tmp/site first; TALLOW_TEST_DATA defaults to .gpu_data when that folder exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,5 +78,9 @@ fi
 if has nano; then
   python3 benchmarks/nano_steps.py --gaps >"$OUT/nano_steps.log" 2>&1 || rc=1
   grep -E "^(wall|copy|GPU|  decode batch|host)" "$OUT/nano_steps.log"
+fi
+if has breakdown; then
+  python3 benchmarks/decode_breakdown.py --shape nano >"$OUT/breakdown_nano.log" 2>&1 || rc=1
+  tail -14 "$OUT/breakdown_nano.log"
 fi
 exit $rc
