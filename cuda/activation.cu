@@ -2,6 +2,8 @@
 // out [..., d] contiguous. Each thread handles one 16-byte vector of the gate and of the up half.
 // PDL (pdl.cuh) under graph capture on sm_90+: trigger the dependents, then wait before any global
 // access; x uses plain loads (no __restrict__: never ld.global.nc, which may move above the wait).
+#include <cstdlib>
+
 #include "activation.cuh"
 #include "pdl.cuh"
 #include "launch.cuh"
@@ -48,7 +50,12 @@ Tensor gated(const char* op, const Tensor& x_in, const std::optional<Tensor>& ou
     T* po = static_cast<T*>(o.data_ptr());
     bool vec = d % V == 0 && aligned_to(px, 16) && aligned_to(po, 16);
     for (int64_t k = 0; k + 1 < x.dim() && vec; ++k) vec = x.size(k) <= 1 || (x.stride(k) * (int64_t)sizeof(T)) % 16 == 0;
-    const bool pdl = use_pdl(ctx.stream);
+    // TALLOW_ACT_PDL=1: PDL under capture also without TALLOW_PDL (an A/B switch for decode steps).
+    static const bool act_pdl = [] {
+      const char* e = std::getenv("TALLOW_ACT_PDL");
+      return e && e[0] == '1';
+    }();
+    const bool pdl = use_pdl(ctx.stream) || (act_pdl && pdl_capable(ctx.stream));
     if (vec) {
       const int64_t n = rows * (d / V);
       TALLOW_CUDA_CHECK(op, launch_kernel(gated_kernel<T, V, kAct>, dim3(grid_for(n, 256)), dim3(256), 0, ctx.stream,

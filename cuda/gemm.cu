@@ -147,6 +147,19 @@ double tune_min_mnk() {
   return v;
 }
 
+// Spins for ns nanoseconds (one thread): the stream waits while the host queues the timed runs.
+constexpr long long kHoldNs = 200000;
+__global__ void hold_stream_kernel(long long ns) {
+  long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    __nanosleep(2000);
+#endif
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
 // TALLOW_GEMM_TUNE_LOG=1 prints each timed product's result to stderr.
 bool tune_log_on() {
   static const bool on = [] {
@@ -407,14 +420,18 @@ void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tenso
   DeviceBlas& blas = blas_for(key.device, stream);
   if (!p.tuned && !is_capturing(stream) && reuse_bucket_winner(key, p, blas.handle)) p.tuned = true;
   if (!p.tuned && !is_capturing(stream)) {
-    // Time each candidate on the real operands (one warm-up run, then kTimedRuns back to back, whose
-    // mean counts: single runs of products of a few microseconds are too noisy); keep the fastest.
-    constexpr int kTimedRuns = 3;
+    // Time each candidate on the real operands: one warm-up run, then kTimedRuns back to back, whose
+    // mean counts, queued behind a kernel that holds the stream while the host issues them (a product
+    // of a few microseconds takes about as long to issue as to run: timed as issued, the launches were
+    // measured instead, and the split-K variants never won); keep the fastest.
+    constexpr int kTimedRuns = 5;
     cudaEvent_t e0, e1;
     TALLOW_CUDA_CHECK(op, cudaEventCreate(&e0));
     TALLOW_CUDA_CHECK(op, cudaEventCreate(&e1));
     auto time_runs = [&](const auto& run) -> float {  // ms a run, 1e30 when a run fails
       if (!run()) return 1e30f;
+      hold_stream_kernel<<<1, 1, 0, stream>>>(kHoldNs);
+      TALLOW_CUDA_CHECK(op, cudaGetLastError());
       TALLOW_CUDA_CHECK(op, cudaEventRecord(e0, stream));
       bool ok = true;
       for (int r = 0; r < kTimedRuns && ok; ++r) ok = run();

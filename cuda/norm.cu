@@ -18,7 +18,14 @@ namespace tallow::cuda {
 
 namespace {
 
-constexpr int64_t kPdlMaxRows = 16;  // rows up to which the norms use PDL on their own (see the launch)
+// Rows up to which the norms use PDL on their own (see the launch); TALLOW_NORM_PDL_MAX_ROWS overrides.
+int64_t pdl_max_rows() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("TALLOW_NORM_PDL_MAX_ROWS");
+    return e && *e ? (int64_t)std::atoll(e) : int64_t(16);
+  }();
+  return v;
+}
 
 struct NormArgs {
   int64_t H;
@@ -259,7 +266,7 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
         const char* e = std::getenv("TALLOW_NORM_PDL");
         return !(e && std::string(e) == "0");
       }();
-      const bool pdl = use_pdl(ctx.stream) || (norm_pdl && rows <= kPdlMaxRows && pdl_capable(ctx.stream));
+      const bool pdl = use_pdl(ctx.stream) || (norm_pdl && rows <= pdl_max_rows() && pdl_capable(ctx.stream));
       auto run = [&](auto kernel) {
         if (smem > 48 * 1024)
           TALLOW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
