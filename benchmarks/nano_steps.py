@@ -6,7 +6,7 @@ bytes take at the copy bandwidth (the weights once a step, the KV of every conte
 and that time's ratio to the measured one. For A/B runs of engine and kernel switches (environment
 variables) in one session, where gpu_e2e.py's whole-run figure hides where a change acts.
 
-    python benchmarks/nano_steps.py [--no-detokenize] [--max-num-batched-tokens N] [--gaps]
+    python benchmarks/nano_steps.py [--no-detokenize] [--max-num-batched-tokens N] [--gaps] [--profile [N]]
     python benchmarks/nano_steps.py --bytes-only 3000   # no GPU: the buckets' bytes at 3,000 GB/s
 
 A step's wall time is from the previous step's return to this one's: with overlapped scheduling that
@@ -14,7 +14,10 @@ is the GPU time of about one step plus whatever the host adds.
 
 --gaps records CUDA events around every step's GPU work and the host's phases (schedule, launch, the
 wait for the previous step's tokens, applying them): the GPU's idle time between steps (the host
-was late) by step kind, the steps with the largest gaps, and the host's time per phase."""
+was late) by step kind, the steps with the largest gaps, and the host's time per phase.
+
+--profile records every kernel of the run through torch.profiler (CUPTI; needs torch, which only this
+measurement uses) and lists the kernels with the most GPU time (profiling slows the run a little)."""
 import argparse
 import collections
 import gc
@@ -35,6 +38,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--gaps", action="store_true", help="report the GPU's idle time between steps and the host's phases")
+    ap.add_argument("--profile", type=int, nargs="?", const=45, default=None, metavar="N",
+                    help="record every kernel of the run (torch.profiler's CUPTI tracing; torch only for this) and "
+                         "print the N kernels with the most GPU time (default 45)")
     ap.add_argument("--bytes-only", type=float, default=None, metavar="GB_S",
                     help="run nothing: the decode buckets' bytes at this copy bandwidth, for the workload's decode "
                          "steps counted on the host (every request decoding from the start; no GPU needed)")
@@ -76,12 +82,15 @@ def main() -> int:
     for p, sp in zip(prompts, params):
         eng.add_request(p, sp)
     times = []
+    prof = kernel_profiler() if args.profile else None
     t0 = last = time.perf_counter()
     while eng.has_unfinished_requests():
         eng.step()
         now = time.perf_counter()
         times.append(now - last)
         last = now
+    if prof is not None:
+        prof.__exit__(None, None, None)
     eng.scheduler.schedule = schedule
     wall = last - t0
     if timeline is not None:
@@ -106,7 +115,35 @@ def main() -> int:
               % (k, n, t / n * 1e3, floor / n * 1e3, floor / t))
     if timeline is not None:
         timeline.report(kinds, times)
+    if prof is not None:
+        report_kernels(prof, args.profile)
     return 0
+
+
+def kernel_profiler():
+    """A started torch.profiler recording CUDA kernels (CUPTI sees tallow's kernels, graph replays
+    included). torch is used for this measurement only; tallow does not import it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+def report_kernels(prof, top: int) -> None:
+    """Kernels by total GPU time: calls, total ms, mean us, share of all kernel time."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t > 0 and e.count:
+            rows.append((t, e.count, e.key))
+    total = sum(r[0] for r in rows)
+    print("kernels: %.3f s of GPU time in %d kernels (%d distinct)" % (total / 1e6, sum(r[1] for r in rows), len(rows)))
+    print("  %9s %8s %9s %6s  kernel" % ("total ms", "calls", "mean us", "share"))
+    for t, n, name in sorted(rows, reverse=True)[:top]:
+        print("  %9.1f %8d %9.2f %5.1f%%  %s" % (t / 1e3, n, t / n, 100 * t / total, name[:110]))
 
 
 def bucket_bytes(w_bytes: int, kv_bytes: int, bw: float) -> int:

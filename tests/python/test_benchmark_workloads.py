@@ -99,3 +99,23 @@ def test_decode_breakdown_nano_variants_run(variant, monkeypatch):
                "no_all": ("norm", "rope", "attn")}[variant]
     for family in families:  # the variant's families never ran, the others did
         assert (calls.get(family, 0) == 0) == (family in removed), (family, calls)
+
+
+def test_nano_steps_kernel_report_ranks_by_gpu_time(capsys):
+    import nano_steps
+
+    class Avg:  # torch.profiler's key_averages() rows: older torch names the total cuda_time_total
+        def __init__(self, key, count, total, old=False):
+            self.key, self.count = key, count
+            setattr(self, "cuda_time_total" if old else "device_time_total", total)
+
+    class Prof:
+        def key_averages(self):
+            return [Avg("rms_norm", 56, 300.0), Avg("decode_attention", 28, 6000.0, old=True),
+                    Avg("host_only", 3, 0.0), Avg("gemm", 112, 1700.0)]
+
+    nano_steps.report_kernels(Prof(), 2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "kernels: 0.008 s of GPU time in 196 kernels (3 distinct)"
+    assert [ln.split()[-1] for ln in out[2:]] == ["decode_attention", "gemm"]  # top 2 of 3, most time first
+    assert out[2].split()[:4] == ["6.0", "28", "214.29", "75.0%"]
