@@ -148,7 +148,7 @@ double tune_min_mnk() {
 }
 
 // Spins for ns nanoseconds (one thread): the stream waits while the host queues the timed runs.
-constexpr long long kHoldNs = 200000;
+constexpr long long kHoldNs = 80000;  // 5 cuBLASLt calls take ~25-50 us to issue
 __global__ void hold_stream_kernel(long long ns) {
   long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
