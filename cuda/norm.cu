@@ -230,6 +230,16 @@ bool rows_aligned(const Tensor& t, int64_t bytes) {
   return true;
 }
 
+// Rows up to which a norm takes the one-pack-a-thread launch (default: one CTA per SM at most);
+// TALLOW_NORM_FEW_ROWS_MAX overrides, for A/B runs at decode batch sizes.
+int64_t few_rows_max() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("TALLOW_NORM_FEW_ROWS_MAX");
+    return e && *e ? (int64_t)std::atoll(e) : int64_t(-1);
+  }();
+  return v >= 0 ? v : (int64_t)sm_count();
+}
+
 template <int kMode>
 void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w, const Tensor* b, const Tensor& o,
             float eps, float w_add) {
@@ -274,7 +284,7 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
                                             pr, rr, pw, pb, po, a));
       };
       constexpr int KMAX = 4;
-      if (vec && nv <= 1024 && rows <= sm_count()) {
+      if (vec && nv <= 1024 && rows <= few_rows_max()) {
         // A few rows (decode) are latency-bound: one pack per thread, as many threads as packs.
         const int t = (int)std::max<int64_t>(32, (nv + 31) / 32 * 32);
         TALLOW_CUDA_CHECK(op, launch_kernel(norm_reg_kernel<X, R, V, kMode, 1>, dim3((unsigned)rows), dim3(t), 0,
