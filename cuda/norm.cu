@@ -230,14 +230,16 @@ bool rows_aligned(const Tensor& t, int64_t bytes) {
   return true;
 }
 
-// Rows up to which a norm takes the one-pack-a-thread launch (default: one CTA per SM at most);
-// TALLOW_NORM_FEW_ROWS_MAX overrides, for A/B runs at decode batch sizes.
+// Rows up to which a norm takes the one-pack-a-thread launch (TALLOW_NORM_FEW_ROWS_MAX overrides).
+// It was one CTA an SM (132 rows on an H100); it is 512 since the one-pack launch measured faster
+// on the H100 at 192-512 rows (fused add + norm in a graph, hidden 1024: 2.46 / 2.62 / 3.34 us -> 2.29 /
+// 2.43 / 3.09; hidden 4096: 3.59 / 3.89 / 6.42 -> 3.21 / 3.49 / 6.38; benchmarks/bench_norm.py).
 int64_t few_rows_max() {
   static const int64_t v = [] {
     const char* e = std::getenv("TALLOW_NORM_FEW_ROWS_MAX");
-    return e && *e ? (int64_t)std::atoll(e) : int64_t(-1);
+    return e && *e ? (int64_t)std::atoll(e) : int64_t(512);
   }();
-  return v >= 0 ? v : (int64_t)sm_count();
+  return v;
 }
 
 template <int kMode>

@@ -68,6 +68,9 @@ register(
     _rms("rms_norm[row-strided]", (10, 48), view=lambda t: t[::3]),             # rows strided, last dim contiguous
     _rms("rms_norm[transposed]", (40, 24), view=lambda t: t.T, w_len=40),      # last dim stride != 1
     _rms("rms_norm[strided-w]", (6, 20), wview=lambda t: t[::2], w_len=40),
+    # decode batch sizes: CUDA's one-pack launch (up to 512 rows) and the 4-pack one past it
+    _rms("rms_norm[300-rows]", (300, 256)),
+    _rms("rms_norm[600-rows]", (600, 128)),
 )
 
 
@@ -103,6 +106,8 @@ register(
     _fused("fused_add_rms_norm[3d-gemma]", (2, 5, 96), gemma=True),
     _fused("fused_add_rms_norm[f32-residual]", (4, 70), res_dtype="float32"),
     _fused("fused_add_rms_norm[strided-residual]", (6, 33), pad=7),
+    _fused("fused_add_rms_norm[256-rows]", (256, 1024)),
+    _fused("fused_add_rms_norm[520-rows]", (520, 64)),
 )
 
 
@@ -129,4 +134,5 @@ register(
     _ln("layer_norm[w-only]", (3, 4, 64), with_b=False, out=False),
     _ln("layer_norm[no-affine]", (6, 1000), with_w=False, with_b=False),
     _ln("layer_norm[row-strided]", (12, 31), view=lambda t: t[1::2]),
+    _ln("layer_norm[200-rows]", (200, 512)),
 )
