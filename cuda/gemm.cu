@@ -15,9 +15,7 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -136,75 +134,6 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int64_t rows, int64_t cols,
   return l;
 }
 
-// The smallest product (M * N * K) whose algorithm is chosen by timing (TALLOW_GEMM_TUNE_MIN_MNK).
-// The heuristic's first pick for the decode-sized products with a narrow output (Qwen3-0.6B's o and
-// down projections at M = 256: 1024 columns, 16 output tiles for 132 SMs) ran at ~150 TFLOP/s.
-double tune_min_mnk() {
-  static const double v = [] {
-    const char* e = std::getenv("TALLOW_GEMM_TUNE_MIN_MNK");
-    return e && *e ? std::atof(e) : 1e7;
-  }();
-  return v;
-}
-
-// Spins for ns nanoseconds (one thread): the stream waits while the host queues the timed runs.
-constexpr long long kHoldNs = 80000;  // 5 cuBLASLt calls take ~25-50 us to issue
-__global__ void hold_stream_kernel(long long ns) {
-  long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-    __nanosleep(2000);
-#endif
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-
-// TALLOW_GEMM_TUNE_LOG=1 prints each timed product's result to stderr.
-bool tune_log_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("TALLOW_GEMM_TUNE_LOG");
-    return e && e[0] == '1';
-  }();
-  return on;
-}
-
-// Outputs of at most this many elements also get split-K candidates (their tiles alone leave SMs idle).
-constexpr int64_t kSplitKMaxOutput = int64_t(1) << 22;
-constexpr int kSplitKBases = 8;  // of the heuristic's top picks
-
-// Appends to p.candidates the variants of `algo` splitting K in 2..16 parts (where the algorithm
-// supports split-K and each part keeps >= 256 of K), reduced in place when the algorithm can (no
-// second kernel), else in a compute-type workspace; only those cublasLtMatmulAlgoCheck accepts.
-void add_split_k_variants(cublasLtHandle_t handle, Plan& p, const cublasLtMatmulAlgo_t& algo, int64_t k) {
-  int32_t support = 0;
-  size_t written = 0;
-  if (cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof support,
-                                        &written) != CUBLAS_STATUS_SUCCESS || !support)
-    return;
-  uint32_t current = 1, schemes = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &current, sizeof current, &written);
-  if (current > 1) return;  // the heuristic already split this one
-  cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes, &written);
-  const uint32_t scheme = (schemes & CUBLASLT_REDUCTION_SCHEME_INPLACE) ? CUBLASLT_REDUCTION_SCHEME_INPLACE
-                          : (schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) ? CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
-                                                                                 : 0u;
-  if (!scheme) return;
-  for (uint32_t split : {2u, 3u, 4u, 6u, 8u, 12u, 16u}) {
-    if (k / split < 256) break;
-    cublasLtMatmulAlgo_t v = algo;
-    if (cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof split) !=
-            CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme) !=
-            CUBLAS_STATUS_SUCCESS)
-      continue;
-    cublasLtMatmulHeuristicResult_t r{};
-    if (cublasLtMatmulAlgoCheck(handle, p.op, p.la, p.lb, p.lc, p.lc, &v, &r) == CUBLAS_STATUS_SUCCESS &&
-        r.workspaceSize <= kWorkspaceBytes)
-      p.candidates.push_back(v);
-  }
-}
-
 Plan& get_plan(const PlanKey& key, DType dt) {
   static std::mutex mu;
   static std::map<PlanKey, Plan> plans;
@@ -245,14 +174,9 @@ Plan& get_plan(const PlanKey& key, DType dt) {
   TALLOW_CUBLAS_CHECK("matmul (heuristic)", st);
   if (found == 0) throw CudaError(str_cat("matmul: cuBLASLt has no algorithm for m=", key.m, " n=", key.n, " k=", key.k));
   p.algo = res[0].algo;
-  // Products above a size time the heuristic's top picks once (its first choice is not always the
-  // fastest), with split-K variants of them where the output has few tiles.
-  if ((double)key.m * key.n * key.k * key.batch >= tune_min_mnk()) {
+  // Large products time the heuristic's top picks once (its first choice is not always the fastest).
+  if ((double)key.m * key.n * key.k * key.batch >= 1e9)
     for (int i = 0; i < found; ++i) p.candidates.push_back(res[i].algo);
-    if (key.batch == 1 && key.m * key.n <= kSplitKMaxOutput)
-      for (int i = 0; i < std::min(found, kSplitKBases); ++i)
-        add_split_k_variants(lt_handle(key.device), p, res[i].algo, key.k);
-  }
   p.tuned = p.candidates.size() <= 1;
   return plans.emplace(key, p).first->second;
 }
@@ -420,54 +344,39 @@ void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tenso
   DeviceBlas& blas = blas_for(key.device, stream);
   if (!p.tuned && !is_capturing(stream) && reuse_bucket_winner(key, p, blas.handle)) p.tuned = true;
   if (!p.tuned && !is_capturing(stream)) {
-    // Time each candidate on the real operands: one warm-up run, then kTimedRuns back to back, whose
-    // mean counts, queued behind a kernel that holds the stream while the host issues them (a product
-    // of a few microseconds takes about as long to issue as to run: timed as issued, the launches were
-    // measured instead, and the split-K variants never won); keep the fastest.
-    constexpr int kTimedRuns = 5;
+    // Time each candidate (2 runs, the second counted) on the real operands; keep the fastest.
     cudaEvent_t e0, e1;
     TALLOW_CUDA_CHECK(op, cudaEventCreate(&e0));
     TALLOW_CUDA_CHECK(op, cudaEventCreate(&e1));
-    auto time_runs = [&](const auto& run) -> float {  // ms a run, 1e30 when a run fails
-      if (!run()) return 1e30f;
-      hold_stream_kernel<<<1, 1, 0, stream>>>(kHoldNs);
-      TALLOW_CUDA_CHECK(op, cudaGetLastError());
-      TALLOW_CUDA_CHECK(op, cudaEventRecord(e0, stream));
-      bool ok = true;
-      for (int r = 0; r < kTimedRuns && ok; ++r) ok = run();
-      TALLOW_CUDA_CHECK(op, cudaEventRecord(e1, stream));
-      TALLOW_CUDA_CHECK(op, cudaEventSynchronize(e1));
-      float ms = 1e30f;
-      if (ok) TALLOW_CUDA_CHECK(op, cudaEventElapsedTime(&ms, e0, e1));
-      return ok ? ms / kTimedRuns : 1e30f;
-    };
-    float best = 1e30f, first = -1.f;
+    float best = 1e30f;
     for (const auto& algo : p.candidates) {
-      const float ms = time_runs([&] {
-        return cublasLtMatmul(blas.handle, p.op, &alpha, B.data_ptr(), p.la, A.data_ptr(), p.lb, &beta, C.data_ptr(),
-                              p.lc, C.data_ptr(), p.lc, &algo, blas.workspace, kWorkspaceBytes, stream) ==
-               CUBLAS_STATUS_SUCCESS;
-      });
-      if (first < 0) first = ms;
-      if (ms < best) {
+      float ms = 1e30f;
+      bool ok = true;
+      for (int r = 0; r < 2 && ok; ++r) {
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e0, stream));
+        ok = cublasLtMatmul(blas.handle, p.op, &alpha, B.data_ptr(), p.la, A.data_ptr(), p.lb, &beta, C.data_ptr(),
+                            p.lc, C.data_ptr(), p.lc, &algo, blas.workspace, kWorkspaceBytes, stream) ==
+             CUBLAS_STATUS_SUCCESS;
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e1, stream));
+        TALLOW_CUDA_CHECK(op, cudaEventSynchronize(e1));
+        if (ok) TALLOW_CUDA_CHECK(op, cudaEventElapsedTime(&ms, e0, e1));
+      }
+      if (ok && ms < best) {
         best = ms;
         p.algo = algo;
       }
     }
     if (!bias) {  // cuBLAS's own heuristics (cublasGemmEx) as one more candidate
-      const float ms = time_runs([&] {
-        return gemmex(blas, key, C.dtype(), B.data_ptr(), A.data_ptr(), C.data_ptr(), stream) == CUBLAS_STATUS_SUCCESS;
-      });
-      p.use_gemmex = ms < best;
-      if (p.use_gemmex) best = ms;
-    }
-    if (tune_log_on()) {
-      uint32_t split = 1;
-      size_t written = 0;
-      cublasLtMatmulAlgoConfigGetAttribute(&p.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof split, &written);
-      std::fprintf(stderr, "tallow gemm tune: M=%lld N=%lld K=%lld: %zu candidates, heuristic's first %.2f us, best %.2f us (%s, split-K %u)\n",
-                   (long long)key.n, (long long)key.m, (long long)key.k, p.candidates.size(), first * 1e3f,
-                   best * 1e3f, p.use_gemmex ? "cublasGemmEx" : "cuBLASLt", p.use_gemmex ? 1u : split);
+      float ms = 1e30f;
+      bool ok = true;
+      for (int r = 0; r < 2 && ok; ++r) {
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e0, stream));
+        ok = gemmex(blas, key, C.dtype(), B.data_ptr(), A.data_ptr(), C.data_ptr(), stream) == CUBLAS_STATUS_SUCCESS;
+        TALLOW_CUDA_CHECK(op, cudaEventRecord(e1, stream));
+        TALLOW_CUDA_CHECK(op, cudaEventSynchronize(e1));
+        if (ok) TALLOW_CUDA_CHECK(op, cudaEventElapsedTime(&ms, e0, e1));
+      }
+      p.use_gemmex = ok && ms < best;
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);

@@ -18,7 +18,8 @@ namespace tallow::cuda {
 
 namespace {
 
-// Rows up to which the norms use PDL on their own (see the launch); TALLOW_NORM_PDL_MAX_ROWS overrides.
+// Rows up to which the norms use PDL on their own (see the launch); TALLOW_NORM_PDL_MAX_ROWS overrides
+// (H100, nano-vllm run, 1024 against 16 on one machine: 19,546 vs 19,627 output tok/s, not kept).
 int64_t pdl_max_rows() {
   static const int64_t v = [] {
     const char* e = std::getenv("TALLOW_NORM_PDL_MAX_ROWS");
@@ -230,16 +231,17 @@ bool rows_aligned(const Tensor& t, int64_t bytes) {
   return true;
 }
 
-// Rows up to which a norm takes the one-pack-a-thread launch (TALLOW_NORM_FEW_ROWS_MAX overrides).
-// It was one CTA an SM (132 rows on an H100); it is 512 since the one-pack launch measured faster
-// on the H100 at 192-512 rows (fused add + norm in a graph, hidden 1024: 2.46 / 2.62 / 3.34 us -> 2.29 /
-// 2.43 / 3.09; hidden 4096: 3.59 / 3.89 / 6.42 -> 3.21 / 3.49 / 6.38; benchmarks/bench_norm.py).
+// Rows up to which a norm takes the one-pack-a-thread launch: one CTA an SM (TALLOW_NORM_FEW_ROWS_MAX
+// overrides). In a graph of back-to-back norms the one-pack launch was also faster at 192-512 rows
+// (H100, fused add + norm, hidden 1024: 2.46 / 2.62 / 3.34 us -> 2.29 / 2.43 / 3.09;
+// benchmarks/bench_norm.py), but the nano-vllm run with it up to 1024 rows was not faster (two A/B
+// pairs on one H100: 19,546 vs 19,720 and 19,504 vs 19,523 output tok/s), so the default stays.
 int64_t few_rows_max() {
   static const int64_t v = [] {
     const char* e = std::getenv("TALLOW_NORM_FEW_ROWS_MAX");
-    return e && *e ? (int64_t)std::atoll(e) : int64_t(512);
+    return e && *e ? (int64_t)std::atoll(e) : int64_t(-1);
   }();
-  return v;
+  return v >= 0 ? v : (int64_t)sm_count();
 }
 
 template <int kMode>

@@ -68,7 +68,7 @@ register(
     _rms("rms_norm[row-strided]", (10, 48), view=lambda t: t[::3]),             # rows strided, last dim contiguous
     _rms("rms_norm[transposed]", (40, 24), view=lambda t: t.T, w_len=40),      # last dim stride != 1
     _rms("rms_norm[strided-w]", (6, 20), wview=lambda t: t[::2], w_len=40),
-    # decode batch sizes: CUDA's one-pack launch (up to 512 rows) and the 4-pack one past it
+    # decode batch sizes: past one CTA an SM CUDA's norms take the 4-pack launch
     _rms("rms_norm[300-rows]", (300, 256)),
     _rms("rms_norm[600-rows]", (600, 128)),
 )
