@@ -1,6 +1,6 @@
 // Thread-block cluster helpers (sm_90+; hosts launch clusters only there, so below sm_90 these
 // compile to nothing): the barrier halves and distributed-shared-memory stores and loads. Used by
-// the split GEMV (gemv.cu), the split-K GEMM (splitk_gemm.cu) and the split sampling kernels (sampling.cuh).
+// the split GEMV (gemv.cu) and the split sampling kernels (sampling.cuh).
 #pragma once
 #include <cstdint>
 
@@ -51,13 +51,6 @@ __device__ __forceinline__ void store_remote(float* p, int rank, float v) {
 __device__ __forceinline__ void store_remote(unsigned long long* p, int rank, unsigned long long v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("st.shared::cluster.u64 [%0], %1;" ::"r"(cluster_addr(p, rank)), "l"(v) : "memory");
-#endif
-}
-
-// Two floats at p, p + 1 (8-byte aligned) in CTA `rank`'s copy (the split GEMM's partial sums).
-__device__ __forceinline__ void store_remote2(float* p, int rank, float v0, float v1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(cluster_addr(p, rank)), "f"(v0), "f"(v1) : "memory");
 #endif
 }
 

@@ -11,10 +11,7 @@
 //
 // Decode shapes (f16/bf16 linear with M <= skinny_max_m() rows, 16-byte rows) take tallow's own GEMV
 // kernel (gemv.cu), which streams w once at HBM bandwidth on the tensor cores; so does gated_linear's
-// (the MLP's down projection with silu_and_mul folded into its x loads). Larger decode batches with few
-// output columns (M <= splitk_max_m(), N <= splitk_max_n(): a small model's o_proj and down_proj) take
-// the cluster split-K GEMM (splitk_gemm.cu), which reads x and w far fewer times from L2 than
-// cuBLASLt's small tiles there.
+// (the MLP's down projection with silu_and_mul folded into its x loads).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -28,7 +25,6 @@
 
 #include "gemv.cuh"
 #include "launch.cuh"
-#include "splitk_gemm.cuh"
 #include "ops_cuda.h"
 
 namespace tallow::cuda {
@@ -440,13 +436,6 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bia
   if (skinny_ok(x2, w, o2, M, K)) {
     gemv(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
          o2.data_ptr(), N, N, K, ctx.stream);
-    return o;
-  }
-  if (M > skinny_max_m() && M <= splitk_max_m() && N <= splitk_max_n() && o2.is_contiguous() &&
-      splitk_supported(x.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(), w.stride(0),
-                       w.stride(1), N)) {
-    splitk_gemm(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0),
-                hb ? bc.data_ptr() : nullptr, o2.data_ptr(), N, N, K, ctx.stream, splitk_forced_split());
     return o;
   }
   lt_gemm(op, x2, w.transpose(0, 1), hb ? &bc : nullptr, o2, M, N, K, ctx.stream);

@@ -8,7 +8,6 @@
 
 #ifdef TALLOW_WITH_CUDA
 #include "gemv.cuh"
-#include "splitk_gemm.cuh"
 #include "host_async.h"
 #include "ops_cuda.h"
 #include "runtime.h"
@@ -75,12 +74,6 @@ void bind_cuda(py::module_& m) {
   c.def("reset_peak_memory_stats", &reset_peak_memory_stats, py::arg("device") = -1);
   c.def("skinny_max_m", &skinny_max_m, "Rows up to which linear/matmul use tallow's skinny GEMM kernel");
   c.def("set_skinny_max_m", &set_skinny_max_m, py::arg("m"), "0 sends every product to cuBLASLt");
-  c.def("splitk_max_m", &splitk_max_m, "Rows up to which linear uses the cluster split-K GEMM (above skinny_max_m)");
-  c.def("set_splitk_max_m", &set_splitk_max_m, py::arg("m"), "0 turns the split-K GEMM off");
-  c.def("splitk_max_n", &splitk_max_n, "Output columns up to which linear uses the split-K GEMM");
-  c.def("set_splitk_max_n", &set_splitk_max_n, py::arg("n"));
-  c.def("set_splitk_forced_split", &set_splitk_forced_split, py::arg("split"),
-        "Cluster size of the split-K GEMM (0: the heuristic's; 1, 2, 4, 8)");
   c.def("index_checks", &index_checks);
   c.def("set_index_checks", &set_index_checks, py::arg("on"),
         "Validate positions/ids/slots/block ids on the device and raise before returning (default on)");
