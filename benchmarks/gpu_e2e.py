@@ -461,6 +461,8 @@ def parse_args(argv=None):
                         "(decode8b, nanovllm, prefill8b: its tok/s result); repeatable")
     p.add_argument("--check-pool", action="store_true",
                    help="assert after every generate call that the KV block pool is entirely free")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="nanovllm: the engine's token budget a step (default: the engine's, 8192)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of decode8b / prefill8b / nanovllm (median reported)")
     p.add_argument("--temperature", type=float, default=0.0, help="nanovllm sampling temperature (nano-vllm: 0.6)")
     p.add_argument("--no-tokenizer", action="store_true",
@@ -522,7 +524,8 @@ def main(argv=None) -> int:
             release_device_memory()
         if "nanovllm" in targets:
             d = write_model_dir(root, "qwen3_0.6b", QWEN3_06B, tok)
-            llm, load_s = make_llm(d, args, max_model_len=4096, max_num_seqs=256)  # nano-vllm's bench settings
+            extra = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+            llm, load_s = make_llm(d, args, max_model_len=4096, max_num_seqs=256, **extra)  # nano-vllm's bench settings
             print(f"  Qwen3-0.6B shape: engine ready in {load_s:.1f} s")
             new = run_nanovllm(llm, args, bw)
             for r in new:

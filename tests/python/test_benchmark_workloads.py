@@ -53,14 +53,20 @@ def test_decode_mix_block_tables(step):
         assert first.tolist() == list(range(len(first)))
 
 
-def test_decode_mix_without_cuda_says_so():
+@pytest.mark.parametrize("script", ["bench_decode_mix.py", "bench_linear.py"])
+def test_gpu_benchmark_without_cuda_says_so(script):
     tallow_cuda = pytest.importorskip("tallow.cuda")
     if tallow_cuda.is_available():
         pytest.skip("a CUDA device is present: the script would run the benchmark")
-    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_decode_mix.py")], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, os.path.join(BENCH, script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no CUDA device" in r.stdout
+
+
+def test_bench_linear_rejects_unknown_paths():
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_linear.py"), "--paths", "default,splitk"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown path(s) splitk" in r.stderr
 
 
 @pytest.mark.parametrize("variant", ["base", "no_norm", "no_rope", "no_attn", "no_all"])
