@@ -701,7 +701,7 @@ def test_cuda_decode_graph_replays_many_splits(rng, monkeypatch, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
     """Contexts up to the minimum split length (pinned here at 256 keys; by default a launch with few
-    (token, kv head) rows splits from 64 keys, one with many from 1024) run as one split per sequence
+    (token, kv head) rows splits from 64 keys, one with as many rows as SMs from 2048) run as one split per sequence
     (no partials, output written directly) although the grid, planned for tables padded to 4096+
     tokens as in a captured step, has many: bitwise the result of a one-split grid. Forcing 16-key
     splits gives the same values within the bound."""
@@ -718,6 +718,34 @@ def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
     monkeypatch.delenv("TALLOW_DECODE_SPLITS")
     monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
     check_cuda(run_case(dev, 0.09, **kw), expect, "bfloat16", "split into 16-key pieces")
+
+
+@needs_cuda
+def test_cuda_decode_many_rows_split_from_2048_keys(rng, monkeypatch):
+    """A launch with at least one (token, kv head) row an SM (here 40 sequences x 8 kv heads) splits a
+    sequence only past 2048 keys: contexts up to 2048 give bitwise the one-split grid's result, longer
+    ones (split and merged) the reference's within the bound. A forced minimum split
+    (TALLOW_DECODE_MIN_SPLIT) applies only within TALLOW_DECODE_MIN_SPLIT_ROWS=lo,hi row counts."""
+    if tc.get_device_properties()["multi_processor_count"] > 320:
+        pytest.skip("more SMs than this case's 320 rows: the few-rows rule would apply")
+    lens = np.concatenate([rng.integers(1, 2049, size=30), rng.integers(2049, 5000, size=10)])
+    dev, ref = decode_case(rng, lens, 32, 8, 128, 16, "bfloat16", None, pad_cols=320)
+    expect = run_case(ref, 0.09)
+    got = run_case(dev, 0.09)
+    check_cuda(got, expect, "bfloat16", "many rows, default split rule")
+    short = np.flatnonzero(lens <= 2048)
+    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "1")
+    one = raw(run_case(dev, 0.09))
+    np.testing.assert_array_equal(raw(got)[short], one[short])
+    monkeypatch.delenv("TALLOW_DECODE_SPLITS")
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "64")  # every row count: many short splits
+    forced = run_case(dev, 0.09)
+    check_cuda(forced, expect, "bfloat16", "forced 64-key splits")
+    assert not np.array_equal(raw(forced), raw(got)), "64-key splits should round differently"
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT_ROWS", "0,100")  # 320 rows: outside, the default rule
+    np.testing.assert_array_equal(raw(run_case(dev, 0.09)), raw(got))
+    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT_ROWS", "300,400")
+    np.testing.assert_array_equal(raw(run_case(dev, 0.09)), raw(forced))
 
 
 @needs_cuda
