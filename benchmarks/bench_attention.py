@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -81,8 +80,7 @@ def main() -> int:
     tc.set_index_checks(False)
     dev_name = tc.get_device_name()
     l2 = int(tc.get_device_properties().get("l2_cache_size", 50 << 20))
-    out_path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                         "attention_%s.json" % re.sub(r"[^a-z0-9]+", "_", dev_name.lower()).strip("_"))
+    out_path = args.json or gpu_timing.results_path("attention", dev_name)
     command = "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:])
     results = []
     seed = [0]

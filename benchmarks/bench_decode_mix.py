@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -157,8 +156,7 @@ def main() -> int:
         print("%-10s %5d %7.0f %9.1f %5.2f  %s" % (step, B, ctx.mean(), kv_bytes / copy_gbs / 1e3, prediction(step),
                                                    "  ".join(cells)), flush=True)
 
-    out_path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_mix_%s.json" %
-                                         re.sub(r"[^a-z0-9]+", "_", dev_name.lower()).strip("_"))
+    out_path = args.json or gpu_timing.results_path("decode_mix", dev_name)
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
     print("wrote", out_path)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -73,8 +72,7 @@ def main() -> int:
         return 0
     dev_name = tc.get_device_name()
     l2 = int(tc.get_device_properties().get("l2_cache_size", 50 << 20))
-    out_path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                         "sampling_%s.json" % re.sub(r"[^a-z0-9]+", "_", dev_name.lower()).strip("_"))
+    out_path = args.json or gpu_timing.results_path("sampling", dev_name)
     command = "python benchmarks/bench_sampling.py " + " ".join(sys.argv[1:])
     results = []
 

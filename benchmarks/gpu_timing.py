@@ -1,7 +1,16 @@
-"""CUDA-event timing shared by the GPU benchmarks (bench_attention.py, bench_sampling.py)."""
+"""CUDA-event timing shared by the GPU benchmarks (bench_attention.py, bench_sampling.py, ...), and
+where they write their results by default."""
 from __future__ import annotations
 
+import os
+import re
 import statistics
+
+
+def results_path(prefix: str, device_name: str) -> str:
+    """benchmarks/results/<prefix>_<device name as lower-case words joined by _>.json."""
+    slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "%s_%s.json" % (prefix, slug))
 
 
 def time_ms(fn, calls: int, reps: int, warm: int = 3) -> float:
