@@ -25,6 +25,13 @@
 //  * O: B operand = V. Lane (g, t) holds keys 2t, 2t+1, 2t+8, 2t+9 of the tile (the keys of its
 //    P fragment), and for each key D/8 values: value index v is column g of n-tile v, at
 //    d = 8 v0 + g w + (v - v0) for the segment (v0, w) of v (segments: one 16-byte read each).
+// Narrow kernel (GQA groups of <= 8 query heads, NARROW): the heads are the mma's 8 columns instead of
+// 16 rows (of which the group would fill at most half): S^T = K Q^T with A = the K rows above (lane
+// (g, t): keys g and g + 8, the same reads) and B = Q^T (the g rows of Q's staged A fragments, kept in
+// registers); lane (g, t) then holds heads 2t, 2t+1 of keys g, g + 8, its max and sum reduced over g.
+// O^T += V^T P^T: B = P^T is the score fragment's two 8x8 halves transposed in registers (movmatrix),
+// A = V^T reuses the V reads and pairs above, value indices 2i and 2i+1 as rows g and g + 8 of m-tile
+// i. Half the mmas, exponentials and O registers of the wide kernel.
 // FP8 caches run the mmas in f16: e4m3 -> f16x2 is one cvt.rn.f16x2.e4m3x2 per pair (exact), and
 // P in f16 is finer than bf16. A bf16 q is staged as f16 times 2^e per row (e puts the row's
 // largest |q| in [2^14, 2^15): exact for every element within 2^24 of it), and 2^-e goes into that
@@ -279,7 +286,7 @@ __device__ __forceinline__ int q_word(int d, int r) {
   return (kt * 32 + (r & 7) * 4 + t) * 4 + (r >> 3) + 2 * upper;
 }
 
-template <class Q, class C, int D>
+template <class Q, class C, int D, bool NARROW>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams P) {
   using S = Shape_<Q, C, D>;
   using MT = typename S::MT;
@@ -590,12 +597,23 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         break;
       }
       checked = true;
-      const float rs0 = s_rs[g], rs1 = s_rs[g + 8];
-
-      float o[NV][4];
+      // Wide: rows g and g + 8 of S and O (l: this lane's part). Narrow: heads 2 t and 2 t + 1.
+      const float rs0 = s_rs[NARROW ? 2 * tg : g], rs1 = s_rs[NARROW ? 2 * tg + 1 : g + 8];
+      constexpr int NO = NARROW ? NV / 2 : NV;  // O accumulator tiles
+      float o[NO][4];
 #pragma unroll
-      for (int v = 0; v < NV; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-      float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (l: this lane's part)
+      for (int v = 0; v < NO; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
+      float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+      // Narrow: Q^T's B fragments (rows g of the staged A fragments), kept in registers.
+      uint32_t qb[NARROW ? NKT : 1][2];
+      if constexpr (NARROW) {
+#pragma unroll
+        for (int kt = 0; kt < NKT; ++kt) {
+          const uint4 aq = s_q[kt * 32 + lane];
+          qb[kt][0] = aq.x;
+          qb[kt][1] = aq.z;
+        }
+      }
 
       // Slots in a ring, advanced by one a chunk (no runtime modulo): chunk c is in slot `cur`,
       // chunk c + stages - 1 goes to `nxt`.
@@ -613,105 +631,203 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         const unsigned char* vs = ks + KEYS * RS;
         cur = cur + 1 == stages ? 0 : cur + 1;
 
+        if constexpr (NARROW) {
 #pragma unroll
-        for (int tile = 0; tile < TPS; ++tile) {
-          // S = Q K^T for keys 16 tile + 8 r + g (two n-tiles).
-          float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-          for_groups<0, NKT, KMAXG>([&](auto KT0, auto GS) {
-            constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
-            constexpr int BYTES = 4 * gs * E;
-            uint32_t kw[2][(BYTES + 3) / 4];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int kk = kTile * tile + 8 * r + g;
-              lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
-            }
-#pragma unroll
-            for (int j = 0; j < gs; ++j) {
-              const uint4 aq = s_q[(kt0 + j) * 32 + lane];
-              const uint32_t a[4] = {aq.x, aq.y, aq.z, aq.w};
+          for (int tile = 0; tile < TPS; ++tile) {
+            // S^T = K Q^T: A = K rows 16 tile + g, + 8 (read as the wide path reads them), B = Q^T.
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+            for_groups<0, NKT, KMAXG>([&](auto KT0, auto GS) {
+              constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
+              constexpr int BYTES = 4 * gs * E;
+              uint32_t kw[2][(BYTES + 3) / 4];
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
-                uint32_t b0, b1;
-                if constexpr (E == 2) {
-                  b0 = kw[r][2 * j];
-                  b1 = kw[r][2 * j + 1];
-                } else {
-                  b0 = e4m3x2_to_h2(kw[r][j]);
-                  b1 = e4m3x2_to_h2(kw[r][j] >> 16);
-                }
-                mma16816<MT>(s[r], a, b0, b1);
+                const int kk = kTile * tile + 8 * r + g;
+                lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
               }
-            }
-          });
-
-          // Scores in log2 units; masked keys get -inf. s[r][e] is row g (e < 2) or g + 8, key
-          // 16 tile + 8 r + 2 t + (e & 1).
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
+              for (int j = 0; j < gs; ++j) {
+                uint32_t a[4];
+                if constexpr (E == 2) {
+                  a[0] = kw[0][2 * j], a[1] = kw[1][2 * j], a[2] = kw[0][2 * j + 1], a[3] = kw[1][2 * j + 1];
+                } else {
+                  a[0] = e4m3x2_to_h2(kw[0][j]), a[1] = e4m3x2_to_h2(kw[1][j]);
+                  a[2] = e4m3x2_to_h2(kw[0][j] >> 16), a[3] = e4m3x2_to_h2(kw[1][j] >> 16);
+                }
+                mma16816<MT>(s, a, qb[kt0 + j][0], qb[kt0 + j][1]);
+              }
+            });
+
+            // s[e]: key 16 tile + g + 8 (e >> 1), head 2 t + (e & 1), in log2 units; masked keys get -inf.
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              float x = s[r][e] * (e < 2 ? rs0 : rs1);
+              float x = s[e] * ((e & 1) ? rs1 : rs0);
               if (P.softcap_log2 > 0.f) x = P.softcap_log2 * tanhf(x);
-              const int kk = kTile * tile + 8 * r + 2 * tg + (e & 1);
-              s[r][e] = (valid >> kk) & 1u ? x : -INFINITY;
+              const int kk = kTile * tile + g + 8 * (e >> 1);
+              s[e] = (valid >> kk) & 1u ? x : -INFINITY;
             }
-          float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-          float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-          const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-          const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;  // no inf - inf
-          const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
-          m0 = mn0;
-          m1 = mn1;
-          float p[2][4];
+            float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[r][e] = exp2f(s[r][e] - (e < 2 ? mu0 : mu1));
-          l0 = l0 * c0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-          l1 = l1 * c1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
-          const uint32_t a[4] = {pack2<MT>(p[0][0], p[0][1]), pack2<MT>(p[0][2], p[0][3]),
-                                 pack2<MT>(p[1][0], p[1][1]), pack2<MT>(p[1][2], p[1][3])};
-          if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {  // a row's max rose (rare after the first keys)
-#pragma unroll
-            for (int v = 0; v < NV; ++v) {
-              o[v][0] *= c0;
-              o[v][1] *= c0;
-              o[v][2] *= c1;
-              o[v][3] *= c1;
+            for (int x = 4; x < 32; x <<= 1) {
+              mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+              mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
             }
-          }
-
-          // O += P V: keys 16 tile + 2 t + (j & 1) + 8 (j >> 1), one segment of values at a time.
-          // Their rows are swizzled by 2 t (((key >> 1) & 3) << 1).
-          for_groups<0, NV, VMAXW>([&](auto V0, auto W) {
-            constexpr int v0 = decltype(V0)::value, w = decltype(W)::value;
-            constexpr int BYTES = w * E;
-            uint32_t vw[4][(BYTES + 3) / 4];
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;  // no inf - inf
+            const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
+            m0 = mn0;
+            m1 = mn1;
+            float p[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
-              lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
-            }
+            for (int e = 0; e < 4; ++e) p[e] = exp2f(s[e] - ((e & 1) ? mu1 : mu0));
+            l0 = l0 * c0 + (p[0] + p[2]);
+            l1 = l1 * c1 + (p[1] + p[3]);
+            // P^T as the B operand (head g; keys 2 t, 2 t + 1 and 2 t + 8, 2 t + 9): the C fragment's two
+            // 8x8 halves transposed in registers.
+            const uint32_t b0 = movmatrix_trans(pack2<MT>(p[0], p[1])), b1 = movmatrix_trans(pack2<MT>(p[2], p[3]));
+            if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {  // a head's max rose
 #pragma unroll
-            for (int v = v0; v < v0 + w; ++v) {
-              uint32_t b0, b1;
-              if constexpr (E == 2) {
-                const uint32_t sel = ((v - v0) & 1) ? 0x7632u : 0x5410u;
-                b0 = __byte_perm(vw[0][(v - v0) / 2], vw[1][(v - v0) / 2], sel);
-                b1 = __byte_perm(vw[2][(v - v0) / 2], vw[3][(v - v0) / 2], sel);
-              } else {
-                const uint32_t bi = (uint32_t)((v - v0) & 3), sel = bi | ((4u + bi) << 4);
-                b0 = e4m3x2_to_h2(__byte_perm(vw[0][(v - v0) / 4], vw[1][(v - v0) / 4], sel));
-                b1 = e4m3x2_to_h2(__byte_perm(vw[2][(v - v0) / 4], vw[3][(v - v0) / 4], sel));
+              for (int v = 0; v < NO; ++v) {
+                o[v][0] *= c0;
+                o[v][1] *= c1;
+                o[v][2] *= c0;
+                o[v][3] *= c1;
               }
-              mma16816<MT>(o[v], a, b0, b1);
             }
-          });
+
+            // O^T += V^T P^T: A rows g and g + 8 of m-tile i are the wide path's value indices 2 i and 2 i + 1
+            // (the same V reads and key pairs: 2 t, 2 t + 1 and 2 t + 8, 2 t + 9).
+            for_groups<0, NV, VMAXW>([&](auto V0, auto W) {
+              constexpr int v0 = decltype(V0)::value, w = decltype(W)::value;
+              static_assert(v0 % 2 == 0 && w % 2 == 0, "value pairs stay in one segment");
+              constexpr int BYTES = w * E;
+              uint32_t vw[4][(BYTES + 3) / 4];
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
+                lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
+              }
+#pragma unroll
+              for (int v = v0; v < v0 + w; v += 2) {
+                uint32_t a[4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // value index v + h: A row g + 8 h
+                  const int u = v + h - v0;
+                  if constexpr (E == 2) {
+                    const uint32_t sel = (u & 1) ? 0x7632u : 0x5410u;
+                    a[h] = __byte_perm(vw[0][u / 2], vw[1][u / 2], sel);
+                    a[2 + h] = __byte_perm(vw[2][u / 2], vw[3][u / 2], sel);
+                  } else {
+                    const uint32_t bi = (uint32_t)(u & 3), sel = bi | ((4u + bi) << 4);
+                    a[h] = e4m3x2_to_h2(__byte_perm(vw[0][u / 4], vw[1][u / 4], sel));
+                    a[2 + h] = e4m3x2_to_h2(__byte_perm(vw[2][u / 4], vw[3][u / 4], sel));
+                  }
+                }
+                mma16816<MT>(o[v / 2], a, b0, b1);
+              }
+            });
+          }
+        } else {
+#pragma unroll
+          for (int tile = 0; tile < TPS; ++tile) {
+            // S = Q K^T for keys 16 tile + 8 r + g (two n-tiles).
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            for_groups<0, NKT, KMAXG>([&](auto KT0, auto GS) {
+              constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
+              constexpr int BYTES = 4 * gs * E;
+              uint32_t kw[2][(BYTES + 3) / 4];
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const int kk = kTile * tile + 8 * r + g;
+                lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
+              }
+#pragma unroll
+              for (int j = 0; j < gs; ++j) {
+                const uint4 aq = s_q[(kt0 + j) * 32 + lane];
+                const uint32_t a[4] = {aq.x, aq.y, aq.z, aq.w};
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  uint32_t b0, b1;
+                  if constexpr (E == 2) {
+                    b0 = kw[r][2 * j];
+                    b1 = kw[r][2 * j + 1];
+                  } else {
+                    b0 = e4m3x2_to_h2(kw[r][j]);
+                    b1 = e4m3x2_to_h2(kw[r][j] >> 16);
+                  }
+                  mma16816<MT>(s[r], a, b0, b1);
+                }
+              }
+            });
+
+            // Scores in log2 units; masked keys get -inf. s[r][e] is row g (e < 2) or g + 8, key
+            // 16 tile + 8 r + 2 t + (e & 1).
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                float x = s[r][e] * (e < 2 ? rs0 : rs1);
+                if (P.softcap_log2 > 0.f) x = P.softcap_log2 * tanhf(x);
+                const int kk = kTile * tile + 8 * r + 2 * tg + (e & 1);
+                s[r][e] = (valid >> kk) & 1u ? x : -INFINITY;
+              }
+            float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+            float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;  // no inf - inf
+            const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
+            m0 = mn0;
+            m1 = mn1;
+            float p[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) p[r][e] = exp2f(s[r][e] - (e < 2 ? mu0 : mu1));
+            l0 = l0 * c0 + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+            l1 = l1 * c1 + (p[0][2] + p[0][3]) + (p[1][2] + p[1][3]);
+            const uint32_t a[4] = {pack2<MT>(p[0][0], p[0][1]), pack2<MT>(p[0][2], p[0][3]),
+                                   pack2<MT>(p[1][0], p[1][1]), pack2<MT>(p[1][2], p[1][3])};
+            if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {  // a row's max rose (rare after the first keys)
+#pragma unroll
+              for (int v = 0; v < NV; ++v) {
+                o[v][0] *= c0;
+                o[v][1] *= c0;
+                o[v][2] *= c1;
+                o[v][3] *= c1;
+              }
+            }
+
+            // O += P V: keys 16 tile + 2 t + (j & 1) + 8 (j >> 1), one segment of values at a time.
+            // Their rows are swizzled by 2 t (((key >> 1) & 3) << 1).
+            for_groups<0, NV, VMAXW>([&](auto V0, auto W) {
+              constexpr int v0 = decltype(V0)::value, w = decltype(W)::value;
+              constexpr int BYTES = w * E;
+              uint32_t vw[4][(BYTES + 3) / 4];
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
+                lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
+              }
+#pragma unroll
+              for (int v = v0; v < v0 + w; ++v) {
+                uint32_t b0, b1;
+                if constexpr (E == 2) {
+                  const uint32_t sel = ((v - v0) & 1) ? 0x7632u : 0x5410u;
+                  b0 = __byte_perm(vw[0][(v - v0) / 2], vw[1][(v - v0) / 2], sel);
+                  b1 = __byte_perm(vw[2][(v - v0) / 2], vw[3][(v - v0) / 2], sel);
+                } else {
+                  const uint32_t bi = (uint32_t)((v - v0) & 3), sel = bi | ((4u + bi) << 4);
+                  b0 = e4m3x2_to_h2(__byte_perm(vw[0][(v - v0) / 4], vw[1][(v - v0) / 4], sel));
+                  b1 = e4m3x2_to_h2(__byte_perm(vw[2][(v - v0) / 4], vw[3][(v - v0) / 4], sel));
+                }
+                mma16816<MT>(o[v], a, b0, b1);
+              }
+            });
+          }
         }
       }
       cp_async_wait<0>();  // (only empty groups can remain)
@@ -719,24 +835,30 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 
       // Merge the warps: each leaves (m, l) per row and its O rows in shared memory (the slots are
       // free once every warp is past the barrier); then each output element sums the warps in order.
-      l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-      l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-      if (tg == 0) {
-        s_wm[warp][g] = m0;
-        s_wm[warp][g + 8] = m1;
-        s_wl[warp][g] = l0;
-        s_wl[warp][g + 8] = l1;
+      // A row's keys are spread over the lanes t (wide) or g (narrow) that hold it.
+#pragma unroll
+      for (int x = NARROW ? 4 : 1; x < (NARROW ? 32 : 4); x <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+      }
+      if (NARROW ? g == 0 : tg == 0) {
+        const int r0 = NARROW ? 2 * tg : g, r1 = NARROW ? 2 * tg + 1 : g + 8;
+        s_wm[warp][r0] = m0;
+        s_wm[warp][r1] = m1;
+        s_wl[warp][r0] = l0;
+        s_wl[warp][r1] = l1;
       }
       __syncthreads();
       float* s_ow = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
 #pragma unroll
-      for (int v = 0; v < NV; ++v)
+      for (int v = 0; v < NO; ++v)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = g + 8 * (e >> 1);
-          if (row < G) s_ow[(warp * G + row) * D + v_column<NV, VMAXW>(v, 2 * tg + (e & 1))] = o[v][e];
+          // Wide: o[v][e] is row g + 8 (e >> 1), value index v at column 2 t + (e & 1). Narrow: head
+          // 2 t + (e & 1), value index 2 v + (e >> 1) at column g.
+          const int row = NARROW ? 2 * tg + (e & 1) : g + 8 * (e >> 1);
+          const int col = NARROW ? v_column<NV, VMAXW>(2 * v + (e >> 1), g) : v_column<NV, VMAXW>(v, 2 * tg + (e & 1));
+          if (row < G) s_ow[(warp * G + row) * D + col] = o[v][e];
         }
       __syncthreads();
 
@@ -910,7 +1032,7 @@ struct KernelFit {
   int per_sm = 1;
 };
 
-template <class Q, class C, int D>
+template <class Q, class C, int D, bool NARROW>
 KernelFit kernel_fit(int want) {
   using S = Shape_<Q, C, D>;
   static std::mutex mu;
@@ -921,7 +1043,7 @@ KernelFit kernel_fit(int want) {
   std::lock_guard<std::mutex> lk(mu);
   KernelFit& f = fits[dev][want];
   if (f.stages) return f;
-  auto kernel = decode_kernel<Q, C, D>;
+  auto kernel = decode_kernel<Q, C, D, NARROW>;
   if (!max_dyn[dev]) {  // allow every size this device can give (a launch asks for what it needs)
     cudaFuncAttributes attr{};
     TALLOW_CUDA_CHECK("paged_attention", cudaFuncGetAttributes(&attr, kernel));
@@ -1017,7 +1139,12 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   // Not for fp8 caches: there 3 stages did better (batch 2, 16k / 32k keys: 0.67 / 0.78 with 4,
   // 0.71 / 0.82 with 3).
   const bool deep = sizeof(C) == 2 && rows * 8 <= sm_count() && maxctx >= kDeepMinContext;
-  const KernelFit fit = kernel_fit<Q, C, D>(env_int("TALLOW_DECODE_STAGES", deep ? kMaxStages : kDefaultStages));
+  // Groups of up to 8 query heads run S^T = K Q^T and O^T = V^T P^T (the narrow kernel: heads are the
+  // mma's 8 columns, not 16 rows): half the mmas, exponentials and O registers of the wide kernel.
+  // TALLOW_DECODE_NARROW=0 keeps the wide kernel (A/B).
+  const bool narrow = P.G <= 8 && env_int("TALLOW_DECODE_NARROW", 1) != 0;
+  const int want_stages = env_int("TALLOW_DECODE_STAGES", deep ? kMaxStages : kDefaultStages);
+  const KernelFit fit = narrow ? kernel_fit<Q, C, D, true>(want_stages) : kernel_fit<Q, C, D, false>(want_stages);
   if (fit.stages < 1) return false;
   const int64_t slots = (int64_t)fit.per_sm * sm_count();
   const int64_t per_split = P.T * P.Hq * (D + 2) * (int64_t)sizeof(float);
@@ -1063,13 +1190,14 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_kernel<Q, C, D>, P);
+  auto kernel = narrow ? decode_kernel<Q, C, D, true> : decode_kernel<Q, C, D, false>;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, P);
   if (err != cudaSuccess && pdl && !is_capturing(stream)) {  // an old driver: a plain launch from now on
     (void)cudaGetLastError();
     no_pdl[dev] = true;
     cfg.numAttrs = 0;
     P.early = P.early_kv = P.early_trigger = 0;
-    err = cudaLaunchKernelEx(&cfg, decode_kernel<Q, C, D>, P);
+    err = cudaLaunchKernelEx(&cfg, kernel, P);
   }
   TALLOW_CUDA_CHECK("paged_attention", err);
   TALLOW_CUDA_CHECK_LAUNCH("paged_attention");

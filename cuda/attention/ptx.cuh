@@ -1,6 +1,6 @@
 // PTX wrappers shared by the attention kernels (prefill.cu, decode.cu): cp.async copies into shared
-// memory, the m16n8k16 tensor-core mma with f32 accumulators, and 16-bit pair packing. sm_80+; the
-// hosts never launch these kernels below that.
+// memory, the m16n8k16 tensor-core mma with f32 accumulators, an 8x8 register transpose, and 16-bit
+// pair packing. sm_80+; the hosts never launch these kernels below that.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -56,6 +56,19 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   }
 #else
   __trap();
+#endif
+}
+
+// The 8x8 16-bit matrix whose row lane / 4, columns 2 (lane % 4) and + 1, each lane holds, transposed
+// (each lane then holds that part of the transpose).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+#else
+  __trap();
+  return x;
 #endif
 }
 

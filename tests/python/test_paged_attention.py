@@ -435,7 +435,7 @@ def test_cuda_decode_every_head_dim(rng, dtype, fp8, d):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("hq,hk", [(32, 8), (16, 2), (8, 1), (4, 4), (32, 2), (12, 4)])
+@pytest.mark.parametrize("hq,hk", [(32, 8), (16, 2), (8, 1), (4, 4), (32, 2), (12, 4), (14, 2), (64, 8), (36, 4)])
 def test_cuda_decode_gqa_groups(rng, dtype, hq, hk):
     lens = rng.integers(1, 5000, size=7)
     compare_decode(rng, lens, hq, hk, 128, 16, dtype)
@@ -775,6 +775,28 @@ def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
     for min_split in ("16", "128", "512", "4096"):
         monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", min_split)
         check_cuda(run_case(dev, 0.09, **kw), expect, "bfloat16", f"min split {min_split}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("hq,hk,d", [(8, 8, 128), (16, 8, 128), (12, 4, 80), (32, 8, 128), (14, 2, 64),
+                                     (64, 8, 256), (24, 2, 96)])
+def test_cuda_decode_narrow_and_wide_kernels(rng, monkeypatch, fp8, hq, hk, d):
+    """Groups of <= 8 query heads run the narrow kernel (S^T = K Q^T, O^T = V^T P^T); TALLOW_DECODE_NARROW=0
+    runs the wide one (groups as the mma's 16 rows). Both match the CPU op within the bound, with a
+    window and soft-capping too, and each other within the same bound."""
+    lens = np.concatenate([[1, 17, 4097], rng.integers(1, 6000, size=5)])
+    scales = (0.04, 0.06) if fp8 else (1.0, 1.0)
+    dev, ref = decode_case(rng, lens, hq, hk, d, 16, "bfloat16", FP8 if fp8 else None, scales=scales)
+    for window, softcap in ((0, 0.0), (700, 20.0)):
+        kw = dict(k_scale=scales[0], v_scale=scales[1], sliding_window=window, softcap=softcap)
+        expect = run_case(ref, d**-0.5, **kw)
+        outs = {}
+        for narrow in ("1", "0"):
+            monkeypatch.setenv("TALLOW_DECODE_NARROW", narrow)
+            outs[narrow] = run_case(dev, d**-0.5, **kw)
+            check_cuda(outs[narrow], expect, "bfloat16", f"narrow={narrow} window={window} softcap={softcap}")
+        check_cuda(outs["1"], outs["0"].to("cpu").to("float32"), "bfloat16", "narrow vs wide")
 
 
 @needs_cuda
