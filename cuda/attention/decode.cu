@@ -42,7 +42,7 @@
 // visible range [lo, hi) into ceil(range / min_split) splits (at most the grid's), so short
 // contexts use one split and CTAs past a sequence's splits exit at once. With one split a CTA
 // writes the output; else it leaves (m, l, unnormalised O) per head in a scratch buffer, and the
-// last CTA of the (token, kv head) to finish - an atomic counter, after a __threadfence - merges
+// last CTA of the (token, kv head) to finish - a release-acquire atomic counter - merges
 // the splits in split order (the result does not depend on which CTA came last) and resets the
 // counter to 0 for the next launch. A split's block ids (<= kMaxTable) are staged in shared memory;
 // entries at or past ceil(seq_len / block_size) are never read.
@@ -204,6 +204,13 @@ __device__ __forceinline__ void store4(Q* dst, float4 acc, float inv) {
   pk.h[2] = from_float<Q>(acc.z * inv);
   pk.h[3] = from_float<Q>(acc.w * inv);
   *reinterpret_cast<uint2*>(dst) = pk.u;
+}
+
+// *p += v at gpu scope with release and acquire semantics; returns the old value.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 
 // Waits until at most `pending` of this thread's newest groups are still in flight.
@@ -892,12 +899,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 
       // The last split to finish merges them all: sum_s w_s O_s / sum_s w_s l_s, w_s = 2^(m_s - max m),
       // in split order (warp-wide trees and fixed thread groups: the same result whoever merges).
-      __threadfence();
+      // One release-acquire count by thread 0 after the barrier: the barrier orders the CTA's partial
+      // writes before the release, and the acquire, then the barrier, orders the merge's reads after
+      // every split's writes (as CUTLASS's split-K semaphores do). Every thread's __threadfence and a
+      // second fence in the merging CTA took longer (H100, batch 1, 4k keys: 10.9 vs 10.2 us a call).
       __syncthreads();
-      if (tid == 0) s_last = atomicAdd(P.counters + cidx, 1) == (int)ns - 1;
+      if (tid == 0) s_last = atomic_add_acq_rel(P.counters + cidx, 1) == (int)ns - 1;
       __syncthreads();
       if (!s_last) continue;
-      __threadfence();
       const int nsi = (int)ns;
       const int64_t base = cidx * P.nsplit;
       if (nsi <= kMergeLoads) {
