@@ -248,6 +248,52 @@ __device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t two) {
   return (uint32_t)r.x | ((uint32_t)r.y << 16);
 }
 
+// Chunk-slot reads shared by the wide and narrow kernels (lane (g, t); see the top of the file).
+// K rows 16 tile + g and 16 tile + g + 8: the lane's BYTES of k-step group (kt0, gs).
+template <int BYTES, int RS, int E>
+__device__ __forceinline__ void read_k_rows(const unsigned char* ks, int tile, int kt0, int gs, int g, int tg,
+                                            uint32_t (&kw)[2][(BYTES + 3) / 4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int kk = kTile * tile + 8 * r + g;
+    lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
+  }
+}
+
+// The 16-bit pairs of k-step j of a K row read: contraction indices (2t, 2t+1) in lo, (2t+8, 2t+9) in hi.
+template <int E, int N>
+__device__ __forceinline__ void k_pairs(const uint32_t (&kw)[N], int j, uint32_t& lo, uint32_t& hi) {
+  if constexpr (E == 2) {
+    lo = kw[2 * j];
+    hi = kw[2 * j + 1];
+  } else {
+    lo = e4m3x2_to_h2(kw[j]);
+    hi = e4m3x2_to_h2(kw[j] >> 16);
+  }
+}
+
+// V rows of keys 16 tile + 2t, + 1, + 8, + 9 (j = 0..3): the lane's BYTES of value segment (v0, w).
+template <int BYTES, int RS, int E>
+__device__ __forceinline__ void read_v_keys(const unsigned char* vs, int tile, int v0, int w, int g, int tg,
+                                            uint32_t (&vw)[4][(BYTES + 3) / 4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
+    lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
+  }
+}
+
+// Value u of the segment for keys (2t, 2t+1) (half 0) or (2t+8, 2t+9) (half 1), as one 16-bit pair.
+template <int E, int N>
+__device__ __forceinline__ uint32_t v_pair(const uint32_t (&vw)[4][N], int u, int half) {
+  if constexpr (E == 2) {
+    return __byte_perm(vw[2 * half][u / 2], vw[2 * half + 1][u / 2], (u & 1) ? 0x7632u : 0x5410u);
+  } else {
+    const uint32_t bi = (uint32_t)(u & 3), sel = bi | ((4u + bi) << 4);
+    return e4m3x2_to_h2(__byte_perm(vw[2 * half][u / 4], vw[2 * half + 1][u / 4], sel));
+  }
+}
+
 // Keys [lo, hi) visible to query i of n of a sequence of length len (never past the block table).
 __device__ __forceinline__ void visible_keys(const DecodeParams& P, int64_t len, int64_t n, int64_t i, int64_t& lo,
                                              int64_t& hi) {
@@ -647,20 +693,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
               constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
               constexpr int BYTES = 4 * gs * E;
               uint32_t kw[2][(BYTES + 3) / 4];
-#pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                const int kk = kTile * tile + 8 * r + g;
-                lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
-              }
+              read_k_rows<BYTES, RS, E>(ks, tile, kt0, gs, g, tg, kw);
 #pragma unroll
               for (int j = 0; j < gs; ++j) {
-                uint32_t a[4];
-                if constexpr (E == 2) {
-                  a[0] = kw[0][2 * j], a[1] = kw[1][2 * j], a[2] = kw[0][2 * j + 1], a[3] = kw[1][2 * j + 1];
-                } else {
-                  a[0] = e4m3x2_to_h2(kw[0][j]), a[1] = e4m3x2_to_h2(kw[1][j]);
-                  a[2] = e4m3x2_to_h2(kw[0][j] >> 16), a[3] = e4m3x2_to_h2(kw[1][j] >> 16);
-                }
+                uint32_t a[4];  // rows g, g + 8 of k (2t, 2t+1), then of k (2t+8, 2t+9)
+                k_pairs<E>(kw[0], j, a[0], a[2]);
+                k_pairs<E>(kw[1], j, a[1], a[3]);
                 mma16816<MT>(s, a, qb[kt0 + j][0], qb[kt0 + j][1]);
               }
             });
@@ -709,27 +747,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
               static_assert(v0 % 2 == 0 && w % 2 == 0, "value pairs stay in one segment");
               constexpr int BYTES = w * E;
               uint32_t vw[4][(BYTES + 3) / 4];
-#pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
-                lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
-              }
+              read_v_keys<BYTES, RS, E>(vs, tile, v0, w, g, tg, vw);
 #pragma unroll
               for (int v = v0; v < v0 + w; v += 2) {
-                uint32_t a[4];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // value index v + h: A row g + 8 h
-                  const int u = v + h - v0;
-                  if constexpr (E == 2) {
-                    const uint32_t sel = (u & 1) ? 0x7632u : 0x5410u;
-                    a[h] = __byte_perm(vw[0][u / 2], vw[1][u / 2], sel);
-                    a[2 + h] = __byte_perm(vw[2][u / 2], vw[3][u / 2], sel);
-                  } else {
-                    const uint32_t bi = (uint32_t)(u & 3), sel = bi | ((4u + bi) << 4);
-                    a[h] = e4m3x2_to_h2(__byte_perm(vw[0][u / 4], vw[1][u / 4], sel));
-                    a[2 + h] = e4m3x2_to_h2(__byte_perm(vw[2][u / 4], vw[3][u / 4], sel));
-                  }
-                }
+                // A rows g (value index v) and g + 8 (v + 1), keys (2t, 2t+1) then (2t+8, 2t+9).
+                const uint32_t a[4] = {v_pair<E>(vw, v - v0, 0), v_pair<E>(vw, v + 1 - v0, 0),
+                                       v_pair<E>(vw, v - v0, 1), v_pair<E>(vw, v + 1 - v0, 1)};
                 mma16816<MT>(o[v / 2], a, b0, b1);
               }
             });
@@ -743,11 +766,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
               constexpr int kt0 = decltype(KT0)::value, gs = decltype(GS)::value;
               constexpr int BYTES = 4 * gs * E;
               uint32_t kw[2][(BYTES + 3) / 4];
-#pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                const int kk = kTile * tile + 8 * r + g;
-                lds_words<BYTES>(ks + kk * RS + swizzled((16 * kt0 + 4 * tg * gs) * E, (kk & 1) << 2), kw[r]);
-              }
+              read_k_rows<BYTES, RS, E>(ks, tile, kt0, gs, g, tg, kw);
 #pragma unroll
               for (int j = 0; j < gs; ++j) {
                 const uint4 aq = s_q[(kt0 + j) * 32 + lane];
@@ -755,13 +774,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                   uint32_t b0, b1;
-                  if constexpr (E == 2) {
-                    b0 = kw[r][2 * j];
-                    b1 = kw[r][2 * j + 1];
-                  } else {
-                    b0 = e4m3x2_to_h2(kw[r][j]);
-                    b1 = e4m3x2_to_h2(kw[r][j] >> 16);
-                  }
+                  k_pairs<E>(kw[r], j, b0, b1);
                   mma16816<MT>(s[r], a, b0, b1);
                 }
               }
@@ -814,25 +827,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
               constexpr int v0 = decltype(V0)::value, w = decltype(W)::value;
               constexpr int BYTES = w * E;
               uint32_t vw[4][(BYTES + 3) / 4];
+              read_v_keys<BYTES, RS, E>(vs, tile, v0, w, g, tg, vw);
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                const int kk = kTile * tile + 2 * tg + (j & 1) + 8 * (j >> 1);
-                lds_words<BYTES>(vs + kk * RS + swizzled((8 * v0 + g * w) * E, 2 * tg), vw[j]);
-              }
-#pragma unroll
-              for (int v = v0; v < v0 + w; ++v) {
-                uint32_t b0, b1;
-                if constexpr (E == 2) {
-                  const uint32_t sel = ((v - v0) & 1) ? 0x7632u : 0x5410u;
-                  b0 = __byte_perm(vw[0][(v - v0) / 2], vw[1][(v - v0) / 2], sel);
-                  b1 = __byte_perm(vw[2][(v - v0) / 2], vw[3][(v - v0) / 2], sel);
-                } else {
-                  const uint32_t bi = (uint32_t)((v - v0) & 3), sel = bi | ((4u + bi) << 4);
-                  b0 = e4m3x2_to_h2(__byte_perm(vw[0][(v - v0) / 4], vw[1][(v - v0) / 4], sel));
-                  b1 = e4m3x2_to_h2(__byte_perm(vw[2][(v - v0) / 4], vw[3][(v - v0) / 4], sel));
-                }
-                mma16816<MT>(o[v], a, b0, b1);
-              }
+              for (int v = v0; v < v0 + w; ++v)
+                mma16816<MT>(o[v], a, v_pair<E>(vw, v - v0, 0), v_pair<E>(vw, v - v0, 1));
             });
           }
         }
