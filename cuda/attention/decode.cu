@@ -8,8 +8,10 @@
 // Loads: every warp runs its own cp.async pipeline (`stages` slots of KEYS keys: K rows then V
 // rows, 8 KiB a slot at 16 bits and D <= 128) over the chunks w, w + 4, w + 8, ... of the split, so
 // (stages - 1) chunks per warp are in flight while it computes one, with no CTA barrier in the
-// loop. The loads the prologue waits for (q, and with speculation the metadata again) are issued
-// before the first chunks: queued behind them they would wait for much of the stream (batch 1:
+// loop. The prologue fills all `stages` slots (TALLOW_DECODE_FILL=0: stages - 1, the last from the
+// loop's first step, after q is staged; H100, batch 1-8: +0.01-0.04 of copy bandwidth). The loads
+// the prologue waits for (q, and with speculation the metadata again) are issued before the first
+// chunks: queued behind them they would wait for much of the stream (batch 1:
 // ~2.5 us). Keys past the split, and keys of out-of-range block ids, are zero-filled (cp.async with
 // source size 0: no memory traffic) and masked to -inf. Slots are XOR-swizzled in 16-byte units
 // so the fragment reads below are free of bank conflicts (K: rows g and g+1 apart, V: keys 2t).
@@ -131,6 +133,7 @@ struct DecodeParams {
   int* counters;    // [T, Hk]: splits finished (0 between launches)
   int64_t T, B, Hq, Hk, NB, max_blocks, window;
   int G, bs_shift, nsplit, min_split, stages, early, early_kv, early_trigger, early_ctas;
+  int fill;  // the prologue fills every pipeline slot (the last one after the wait); see the loop
   float score_scale;   // raw dot -> log2 score: qk_scale * log2(e); with softcap qk_scale / softcap
   float softcap_log2;  // softcap * log2(e), 0 without softcap
   float out_scale;     // v_scale for fp8, else 1
@@ -589,8 +592,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
           }
         }
       }
-      if (!early_kv)
-        for (int c = 0; c < stages - 1; ++c) issue(c, c, AllKeys{});
+      // The last slot is free too: its chunk goes out now rather than from the loop's first step, after
+      // q has been staged (batch 1: ~1 us later). With early copies, it is the first chunk after the wait.
+      const int first_copies = P.fill ? stages : stages - 1;
+      for (int c = early_kv ? stages - 1 : 0; c < first_copies; ++c) issue(c, c, AllKeys{});
 
       // Q rows as A fragments; rows past G are zeros.
       {
@@ -671,9 +676,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       // Slots in a ring, advanced by one a chunk (no runtime modulo): chunk c is in slot `cur`,
       // chunk c + stages - 1 goes to `nxt`.
       int cur = 0, nxt = stages - 1;
+      // With P.fill the prologue issued chunk stages - 1 already: the first step issues nothing (and
+      // commits no group, so `stages - 1` newer groups are still what chunk c waits behind).
       for (int c = 0; c < nmine; ++c) {
         __syncwarp();        // every lane is done with the slot chunk c - 1 used
-        issue(c + stages - 1, nxt, AllKeys{});
+        if (c > 0 || !P.fill) issue(c + stages - 1, nxt, AllKeys{});
         nxt = nxt + 1 == stages ? 0 : nxt + 1;
         cp_async_wait_pending(stages - 1);  // this lane's copies of chunk c have landed
         __syncwarp();        // ... and every lane's
@@ -1187,6 +1194,7 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   P.early_kv = P.early && P.early_kv && mode >= 3;  // settled_cache, when the metadata is read early too
   P.early_trigger = pdl && mode >= 3;
   P.early_ctas = (int)std::min<int64_t>(slots, INT32_MAX);
+  P.fill = env_int("TALLOW_DECODE_FILL", 1) != 0;  // (A/B: 0 issues the last slot's chunk from the loop)
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3((unsigned)n, (unsigned)P.Hk, (unsigned)P.B);
   cfg.blockDim = dim3(kThreads);

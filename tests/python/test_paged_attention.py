@@ -751,9 +751,9 @@ def test_cuda_decode_many_rows_split_from_2048_keys(rng, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
-    """Pipeline depth (TALLOW_DECODE_STAGES), PDL mode (TALLOW_DECODE_PDL) and settled_cache (early
-    cache copies) change timing only: the result is bitwise the same; the split length changes the
-    rounding only (within the bound).
+    """Pipeline depth (TALLOW_DECODE_STAGES), PDL mode (TALLOW_DECODE_PDL), settled_cache (early cache
+    copies) and whether the prologue fills every slot (TALLOW_DECODE_FILL) change timing only: the result
+    is bitwise the same; the split length changes the rounding only (within the bound).
     The grid's split count is pinned: the default one follows occupancy, which the depth changes."""
     monkeypatch.setenv("TALLOW_DECODE_SPLITS", "8")
     lens = rng.integers(1, 6000, size=9)
@@ -767,10 +767,13 @@ def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
             monkeypatch.setenv("TALLOW_DECODE_STAGES", stages)
             monkeypatch.setenv("TALLOW_DECODE_PDL", pdl)
             for settled in (False, True):
-                np.testing.assert_array_equal(raw(run_case(dev, 0.09, settled_cache=settled, **kw)), base,
-                                              err_msg=f"stages {stages} pdl {pdl} settled {settled}")
+                for fill in ("0", "1"):
+                    monkeypatch.setenv("TALLOW_DECODE_FILL", fill)
+                    np.testing.assert_array_equal(raw(run_case(dev, 0.09, settled_cache=settled, **kw)), base,
+                                                  err_msg=f"stages {stages} pdl {pdl} settled {settled} fill {fill}")
     monkeypatch.delenv("TALLOW_DECODE_STAGES")
     monkeypatch.delenv("TALLOW_DECODE_PDL")
+    monkeypatch.delenv("TALLOW_DECODE_FILL")
     monkeypatch.delenv("TALLOW_DECODE_SPLITS")
     for min_split in ("16", "128", "512", "4096"):
         monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", min_split)
