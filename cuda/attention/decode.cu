@@ -1174,14 +1174,15 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
     P.min_split = (int)std::min<int64_t>(std::max<int>(P.min_split, kManyRowsMinSplit), split_cap);
   // Few rows: the grid is planned with splits of at least kMinChunksPerWarp chunks a warp (256 keys at
   // 16 bits and head dim 128, as before; 512 with fp8 caches, whose chunks hold 32 keys), as shorter
-  // ones leave a warp's pipeline little to overlap, yet with a CTA an SM where the context allows.
-  // H100, fp8 caches (alternated pairs, benchmarks/results/attention_decode_ab_h100_80gb_hbm3.log):
-  // batch 2 at 6k keys 0.53 -> 0.59 of copy bandwidth (12 splits, not 16), batch 3 at 4k 0.53 -> 0.59,
-  // batch 1 at 8k 0.39 -> 0.43.
+  // ones leave a warp's pipeline little to overlap, yet with up to a CTA an SM where the context
+  // allows (not more: 17 splits of 6k keys at batch 1, 136 CTAs, put two on 4 SMs and ran at 0.37 of
+  // copy bandwidth, 16 at 0.41). H100, fp8 caches, splits forced within one call
+  // (benchmarks/results/attention_decode_ab_h100_80gb_hbm3.log): batch 1 at 6k / 8k keys 0.37 / 0.41 ->
+  // 0.41 / 0.43 (16 splits, not 24 / 32); no change elsewhere at batch 1-8, 2k-16k keys, either cache.
   int64_t plan_min = P.min_split, floor_splits = 1;
   if (!fixed_min_split && rows < sm_count()) {
     plan_min = std::max<int64_t>(plan_min, (int64_t)kMinChunksPerWarp * kWarps * Shape_<Q, C, D>::KEYS);
-    floor_splits = std::min<int64_t>(ceil_div(sm_count(), rows), ceil_div(maxctx, kFewRowsMinSplit));
+    floor_splits = std::min<int64_t>(sm_count() / rows, ceil_div(maxctx, kFewRowsMinSplit));
   }
   const int64_t n = choose_splits(rows, maxctx, slots, plan_min, split_cap,
                                   std::max<int64_t>(1, kMaxPartialBytes / per_split), floor_splits);
