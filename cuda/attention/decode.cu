@@ -8,12 +8,12 @@
 // Loads: every warp runs its own cp.async pipeline (`stages` slots of KEYS keys: K rows then V
 // rows, 8 KiB a slot at 16 bits and D <= 128) over the chunks w, w + 4, w + 8, ... of the split, so
 // (stages - 1) chunks per warp are in flight while it computes one, with no CTA barrier in the
-// loop. With few rows the prologue fills all `stages` slots (else stages - 1, the last from the loop's
-// first step, after q is staged; H100, batch 1-8: +0.01-0.04 of copy bandwidth). The loads
+// loop. With few rows the prologue fills all `stages` slots (else stages - 1, the last from the
+// loop's first step, after q is staged; H100, batch 1-8: +0.01-0.04 of copy bandwidth). The loads
 // the prologue waits for (q, and with speculation the metadata again) are issued before the first
-// chunks: queued behind them they would wait for much of the stream (batch 1:
-// ~2.5 us). Keys past the split, and keys of out-of-range block ids, are zero-filled (cp.async with
-// source size 0: no memory traffic) and masked to -inf. Slots are XOR-swizzled in 16-byte units
+// chunks: queued behind them they would wait for much of the stream (batch 1: ~2.5 us). Keys past
+// the split, and keys of out-of-range block ids, are zero-filled (cp.async with source size 0: no
+// memory traffic) and masked to -inf. Slots are XOR-swizzled in 16-byte units
 // so the fragment reads below are free of bank conflicts (K: rows g and g+1 apart, V: keys 2t).
 //
 // Math: mma.sync m16n8k16, f32 accumulators, online softmax per warp in the log2 domain. The
@@ -99,7 +99,6 @@ constexpr int kMaxGroup = 16;      // query heads per kv head (the mma's 16 rows
 constexpr int kMaxTable = 1024;    // block ids of one split in shared memory
 constexpr int kMaxSplits = 256;    // splits per (token, kv head); bounds the merge's shared memory
 constexpr int kDefaultMinSplit = 256;
-constexpr int kMinChunksPerWarp = 4;     // see launch()
 constexpr int kFewRowsMinSplit = 64;     // see launch()
 constexpr int kManyRowsMinSplit = 2048;  // see launch()
 constexpr int kDefaultStages = 3;
@@ -1119,13 +1118,12 @@ int* split_counters(int64_t need, bool used, const Tensor& like, cudaStream_t st
 }
 
 // The grid's split count: the fewest splits that keep a split's block ids within kMaxTable, then
-// the count that minimises (waves of CTAs) x (keys per CTA + fixed cost) for a full-length context,
-// among counts up to the larger of maxctx / min_split and floor_splits.
+// the count that minimises (waves of CTAs) x (keys per CTA + fixed cost) for a full-length context.
 int64_t choose_splits(int64_t rows, int64_t maxctx, int64_t slots, int64_t min_split, int64_t split_cap,
-                      int64_t max_by_memory, int64_t floor_splits) {
+                      int64_t max_by_memory) {
   const int64_t need = std::max<int64_t>(1, ceil_div(maxctx, split_cap));
-  const int64_t most = std::min<int64_t>(
-      {(int64_t)kMaxSplits, max_by_memory, std::max<int64_t>({need, ceil_div(maxctx, min_split), floor_splits})});
+  const int64_t most = std::min<int64_t>({(int64_t)kMaxSplits, max_by_memory,
+                                          std::max<int64_t>(need, ceil_div(maxctx, min_split))});
   if (need > most) return -1;
   const int forced = env_int("TALLOW_DECODE_SPLITS", 0);  // tuning override
   if (forced > 0) return std::clamp<int64_t>(forced, need, most);
@@ -1172,20 +1170,8 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   // from four.
   if (!fixed_min_split && rows >= sm_count())
     P.min_split = (int)std::min<int64_t>(std::max<int>(P.min_split, kManyRowsMinSplit), split_cap);
-  // Few rows: the grid is planned with splits of at least kMinChunksPerWarp chunks a warp (256 keys at
-  // 16 bits and head dim 128, as before; 512 with fp8 caches, whose chunks hold 32 keys), as shorter
-  // ones leave a warp's pipeline little to overlap, yet with up to a CTA an SM where the context
-  // allows (not more: 17 splits of 6k keys at batch 1, 136 CTAs, put two on 4 SMs and ran at 0.37 of
-  // copy bandwidth, 16 at 0.41). H100, fp8 caches, splits forced within one call
-  // (benchmarks/results/attention_decode_ab_h100_80gb_hbm3.log): batch 1 at 6k / 8k keys 0.37 / 0.41 ->
-  // 0.41 / 0.43 (16 splits, not 24 / 32); no change elsewhere at batch 1-8, 2k-16k keys, either cache.
-  int64_t plan_min = P.min_split, floor_splits = 1;
-  if (!fixed_min_split && rows < sm_count()) {
-    plan_min = std::max<int64_t>(plan_min, (int64_t)kMinChunksPerWarp * kWarps * Shape_<Q, C, D>::KEYS);
-    floor_splits = std::min<int64_t>(sm_count() / rows, ceil_div(maxctx, kFewRowsMinSplit));
-  }
-  const int64_t n = choose_splits(rows, maxctx, slots, plan_min, split_cap,
-                                  std::max<int64_t>(1, kMaxPartialBytes / per_split), floor_splits);
+  const int64_t n = choose_splits(rows, maxctx, slots, P.min_split, split_cap,
+                                  std::max<int64_t>(1, kMaxPartialBytes / per_split));
   if (n < 1) return false;  // a long context over a huge batch: the scratch would not be small
   P.nsplit = (int)n;
   // Few rows leave most SMs idle with one split per row: there a sequence cuts its range into splits of
