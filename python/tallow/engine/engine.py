@@ -105,8 +105,8 @@ class _Group:
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         from tallow.loader.config import ModelConfig
-        from tallow.loader.source import load_weights, resolve_model_source
-        from tallow.models import build_model
+        from tallow.loader.source import resolve_model_source
+        from tallow.models import load_model
         from tallow.tokenizer import Tokenizer
         from tallow.tokenizer.byte_level import byte_table
 
@@ -149,21 +149,8 @@ class LLMEngine:
         # is built there (fusing, casting, dequantizing); dummy weights (load_format="dummy": random
         # values of the checkpoint's shapes) are made on the device.
         model_positions = max(args.max_model_len or 0, cfg.max_position_embeddings)
-        if args.load_format == "dummy":
-            from tallow.loader.dummy import dummy_weights
-
-            weights = dummy_weights(cfg, self.dtype, self.device, seed=args.seed or 0, fused=True)
-        else:
-            weights = load_weights(src)
-            if self.device != "cpu":  # straight from the mmap to the device; fusing/casting happen there
-                weights = {name: t.to(self.device) if isinstance(t, tallow.Tensor) else t
-                           for name, t in weights.items()}
-        self.model = build_model(cfg, weights, self.dtype, max_positions=model_positions)
-        del weights
-        if self.device != "cpu":
-            from tallow.layers.weights import move_to_device
-
-            move_to_device(self.model, self.device)
+        self.model = load_model(cfg, src, self.dtype, self.device, load_format=args.load_format, seed=args.seed or 0,
+                                max_positions=model_positions)
 
         bs = args.block_size
         if args.max_model_len and args.max_model_len > cfg.max_position_embeddings and not args.yarn_scaling_factor:

@@ -52,3 +52,28 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | Non
             f"model family {cfg.family!r} ({cfg.architecture}) is not supported by the engine yet; "
             f"supported: {', '.join(supported_families())}")
     return model_class(cfg.family)(cfg, weights, dtype, max_positions)
+
+
+def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_format: str = "auto", seed: int = 0,
+               max_positions: int | None = None):
+    """The model of `cfg` on `device` in `dtype`, its weights from `source` (a loader.source.ModelSource),
+    or random ones when load_format == "dummy". The one entry point the engine's executor uses."""
+    import tallow
+
+    if load_format == "dummy":
+        from tallow.loader.dummy import dummy_weights
+
+        weights = dummy_weights(cfg, dtype, device, seed=seed or 0, fused=True)
+    else:
+        from tallow.loader.source import load_weights
+
+        weights = load_weights(source)
+        if device != "cpu":  # straight from the mmap to the device; fusing/casting happen there
+            weights = {name: t.to(device) if isinstance(t, tallow.Tensor) else t for name, t in weights.items()}
+    model = build_model(cfg, weights, dtype, max_positions=max_positions)
+    del weights
+    if device != "cpu":
+        from tallow.layers.weights import move_to_device
+
+        move_to_device(model, device)
+    return model
