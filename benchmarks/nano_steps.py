@@ -173,7 +173,9 @@ class StepTimeline:
         from tallow import cuda
 
         self.eng, self.events, self.host = eng, [], []
-        self._orig = {"_timing_events": eng._timing_events, "_finish": eng._finish, "step": eng.step}
+        self.runner = eng.runner
+        self._orig = {"_finish": eng._finish, "step": eng.step}
+        self._orig_timing = self.runner._timing_events
         cur = {}
         self.collections = []  # (step, generation, seconds) of the garbage collector's runs
         gc_start = [0.0]
@@ -195,7 +197,7 @@ class StepTimeline:
 
         def finish(pending):
             t0 = time.perf_counter()
-            ev = getattr(pending.launched, "_event", None)
+            ev = getattr(getattr(pending.launched, "sample", None), "_event", None)
             if ev is not None:
                 ev.synchronize()
             t1 = time.perf_counter()
@@ -215,11 +217,13 @@ class StepTimeline:
                               "outputs": len(res)})
             return res
 
-        eng._timing_events, eng._finish, eng.step = timing_events, finish, step
+        eng._finish, eng.step = finish, step
+        self.runner._timing_events = timing_events  # the worker's runner times each step's device work
 
     def restore(self):
         for k, v in self._orig.items():
             setattr(self.eng, k, v)
+        self.runner._timing_events = self._orig_timing
         gc.callbacks.remove(self._on_gc)
 
     def report(self, kinds, times):

@@ -88,9 +88,12 @@ if(TALLOW_WITH_CUDA)
 endif()
 
 # Adds cuda/ (*.cu kernels and *.cpp runtime) to a target. They are compiled as an object library
-# with flags of their own (the CPU flags are not nvcc's) and linked into the target.
+# with flags of their own (the CPU flags are not nvcc's) and linked into the target. cuda/ includes
+# cpp/ (core/tensor.h, core/backend.h, ...), never the other way: the target does not get cuda/ on its
+# include path, and the ops reach the kernels through the op table cuda::init() registers.
 function(tallow_add_cuda_sources target)
   file(GLOB_RECURSE _cu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/cuda/*.cu ${PROJECT_SOURCE_DIR}/cuda/*.cpp)
+  list(FILTER _cu EXCLUDE REGEX "/cuda/python/")  # the Python bindings go into the extension (CMakeLists.txt)
   add_library(tallow_cuda OBJECT ${_cu})
   set_target_properties(tallow_cuda PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON
                                                POSITION_INDEPENDENT_CODE ON)
@@ -101,7 +104,6 @@ function(tallow_add_cuda_sources target)
     $<$<COMPILE_LANGUAGE:CUDA>:-O3 --expt-relaxed-constexpr -lineinfo -Xcompiler=-Wall>
     $<$<COMPILE_LANGUAGE:CXX>:-O2 -Wall -Wextra -Wno-unused-parameter>)
   target_sources(${target} PRIVATE $<TARGET_OBJECTS:tallow_cuda>)
-  target_include_directories(${target} PUBLIC ${PROJECT_SOURCE_DIR}/cuda)
   target_link_libraries(${target} PUBLIC CUDA::cudart_static tallow_cublas tallow_cublasLt)
 endfunction()
 

@@ -50,13 +50,10 @@ Tensor gated(const char* op, const Tensor& x_in, const std::optional<Tensor>& ou
     T* po = static_cast<T*>(o.data_ptr());
     bool vec = d % V == 0 && aligned_to(px, 16) && aligned_to(po, 16);
     for (int64_t k = 0; k + 1 < x.dim() && vec; ++k) vec = x.size(k) <= 1 || (x.stride(k) * (int64_t)sizeof(T)) % 16 == 0;
-    // TALLOW_ACT_PDL=1: PDL under capture also without TALLOW_PDL (an A/B switch for decode steps; H100,
-    // nano-vllm run: 19,764 vs 19,627 output tok/s on one machine, within the run-to-run spread, so off).
-    static const bool act_pdl = [] {
-      const char* e = std::getenv("TALLOW_ACT_PDL");
-      return e && e[0] == '1';
-    }();
-    const bool pdl = use_pdl(ctx.stream) || (act_pdl && pdl_capable(ctx.stream));
+    // No PDL: with it (under capture) the nano-vllm run measured 19,764 vs 19,627 output tok/s on one
+    // H100, within the run-to-run spread, so the switch (TALLOW_ACT_PDL) was removed; the kernel still
+    // waits (pdl_wait) so that a PDL launch stays correct.
+    const bool pdl = false;
     if (vec) {
       const int64_t n = rows * (d / V);
       TALLOW_CUDA_CHECK(op, launch_kernel(gated_kernel<T, V, kAct>, dim3(grid_for(n, 256)), dim3(256), 0, ctx.stream,

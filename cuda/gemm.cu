@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/tuning.h"
 #include "gemv.cuh"
 #include "launch.cuh"
 #include "ops_cuda.h"
@@ -186,19 +187,10 @@ Plan& get_plan(const PlanKey& key, DType dt) {
 // shares one) reuse the bucket's winner, checked with cublasLtMatmulAlgoCheck for the new shape,
 // instead of timing the candidates again: every timing run synchronises the stream, which stalls the
 // engine's overlap of host and GPU (H100, nano-vllm workload: mixed steps 40.8 -> 33.5 ms).
-// TALLOW_GEMM_TUNE_BUCKETS=0 times every new M.
 struct TunedAlgo {
   cublasLtMatmulAlgo_t algo;
   bool gemmex;
 };
-
-bool tune_buckets_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("TALLOW_GEMM_TUNE_BUCKETS");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  return on;
-}
 
 PlanKey bucket_of(const PlanKey& key) {  // key.n is our M (cuBLASLt sees C^T)
   PlanKey b = key;  // quarter-octave buckets: 129..160, 161..192, ..., 225..256, 257..320, ...
@@ -223,7 +215,7 @@ std::map<PlanKey, TunedAlgo>& tuned_by_bucket() {
 
 // The bucket's winner for plan p (true), if one was timed and it runs this shape.
 bool reuse_bucket_winner(const PlanKey& key, Plan& p, cublasLtHandle_t handle) {
-  if (key.batch != 1 || !tune_buckets_on()) return false;
+  if (key.batch != 1) return false;
   TunedAlgo t;
   {
     std::lock_guard<std::mutex> lk(tuned_mu());
@@ -401,18 +393,9 @@ bool skinny_ok(const Tensor& x2, const Tensor& w, const Tensor& o, int64_t M, in
 
 }  // namespace
 
-namespace {
-std::atomic<int>& skinny_limit() {
-  static std::atomic<int> v{[] {
-    const char* e = std::getenv("TALLOW_SKINNY_MAX_M");
-    return e ? std::atoi(e) : 16;  // gemv is weight-bandwidth-bound up to M = 16 (cuBLASLt is not)
-  }()};
-  return v;
-}
-}  // namespace
-
-int skinny_max_m() { return skinny_limit().load(); }
-void set_skinny_max_m(int m) { skinny_limit().store(m < 0 ? 0 : (m > 16 ? 16 : m)); }
+// gemv is weight-bandwidth-bound up to M = 16 (cuBLASLt is not): KernelTuning::skinny_max_m.
+int skinny_max_m() { return (int)kernel_tuning().skinny_max_m; }
+void set_skinny_max_m(int m) { mutable_kernel_tuning().skinny_max_m = m < 0 ? 0 : (m > 16 ? 16 : m); }
 
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::optional<Tensor>& out) {
   const char* op = "linear";
@@ -457,12 +440,7 @@ Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   const int64_t M = o.numel() / N;
   OpContext ctx(x);
   const bool hb = bias && bias->defined();
-  // TALLOW_GATED_GEMV=0 sends decode shapes through silu_and_mul + gemv instead (for A/B measurements).
-  static const bool fused = [] {
-    const char* e = std::getenv("TALLOW_GATED_GEMV");
-    return !(e && e[0] == '0');
-  }();
-  if (fused && K > 0 && M <= skinny_max_m() && x.stride(-1) == 1) {
+  if (K > 0 && M <= skinny_max_m() && x.stride(-1) == 1) {
     const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, 2 * K}) : x.reshape({M, 2 * K}));
     if (gemv_gated_supported(x.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(), w.stride(0),
                              w.stride(1), N)) {
@@ -474,87 +452,6 @@ Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   }
   const Tensor y = act == kGemvSilu ? silu_and_mul(x) : gelu_and_mul(x, act == kGemvGeluTanh ? "tanh" : "none");
   return linear(y, w, bias, o);
-}
-
-// ---- fused_linear (ops/fused_linear.h): the decode-shaped cases as one GEMV; nullopt / false sends
-// the caller to the composition. TALLOW_GEMV_FUSION=0 turns both off (A/B measurements).
-namespace {
-bool gemv_fusion_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("TALLOW_GEMV_FUSION");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-
-bool bias_fits(const std::optional<Tensor>& bias, const Tensor& x) {
-  return !(bias && bias->defined()) || (bias->dtype() == x.dtype() && bias->device() == x.device());
-}
-
-// o2[M, N] = x2[M, K] w^T (+ bias) through gemv with `f` folded in (the caller checked skinny_ok).
-void fused_gemv(const Tensor& x2, const Tensor& w, const std::optional<Tensor>& bias, const Tensor& o2,
-                const GemvFusion& f) {
-  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
-  OpContext ctx(x2);
-  const bool hb = bias && bias->defined();
-  const Tensor bc = hb ? contiguous(*bias) : Tensor();
-  gemv(x2.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
-       o2.data_ptr(), N, N, K, ctx.stream, f);
-}
-}  // namespace
-
-std::optional<Tensor> rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, float w_add, const Tensor& w,
-                                      const std::optional<Tensor>& bias) {
-  const int64_t K = x.size(-1), N = w.size(0);
-  const int64_t M = K ? x.numel() / K : 0;
-  if (!gemv_fusion_on() || M < 1 || M > gemv_norm_max_m() || M > skinny_max_m() || !bias_fits(bias, x)) return std::nullopt;
-  if (!norm_w.is_contiguous() || !aligned_to(norm_w.data_ptr(), 16)) return std::nullopt;
-  const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
-  Shape oshape = x.shape();
-  oshape.back() = N;
-  Tensor o = Tensor::empty(oshape, x.dtype(), x.device());
-  const Tensor o2 = o.view({M, N});
-  if (!skinny_ok(x2, w, o2, M, K)) return std::nullopt;
-  GemvFusion f;
-  f.norm_w = norm_w.data_ptr();
-  f.eps = eps;
-  f.w_add = w_add;
-  fused_gemv(x2, w, bias, o2, f);
-  return o;
-}
-
-bool linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const Tensor& residual) {
-  const int64_t K = x.size(-1), N = w.size(0);
-  const int64_t M = K ? x.numel() / K : 0;
-  if (!gemv_fusion_on() || M < 1 || M > skinny_max_m() || !bias_fits(bias, x)) return false;
-  const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
-  const Tensor r2 = residual.view({M, N});
-  if (!skinny_ok(x2, w, r2, M, K)) return false;
-  GemvFusion f;
-  f.residual = r2.data_ptr();
-  f.ldr = N;
-  fused_gemv(x2, w, bias, r2, f);
-  return true;
-}
-
-bool gated_linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
-                      const std::string& activation, const Tensor& residual) {
-  const int64_t N = w.size(0), K = w.size(1);
-  const int64_t M = x.numel() / (2 * K > 0 ? 2 * K : 1);
-  if (!gemv_fusion_on() || K < 1 || M < 1 || M > skinny_max_m() || x.stride(-1) != 1 || !bias_fits(bias, x)) return false;
-  if (x.dtype() != w.dtype() || x.device() != w.device() || (x.dtype() != DType::F16 && x.dtype() != DType::BF16))
-    return false;
-  const int act = activation == "silu" ? kGemvSilu : (activation == "gelu_tanh" ? kGemvGeluTanh : kGemvGeluErf);
-  const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, 2 * K}) : x.reshape({M, 2 * K}));
-  if (!gemv_gated_supported(x.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1), w.data_ptr(), w.stride(0),
-                            w.stride(1), N))
-    return false;
-  OpContext ctx(x);
-  const bool hb = bias && bias->defined();
-  const Tensor bc = hb ? contiguous(*bias) : Tensor();
-  gemv_gated(x.dtype(), x2.data_ptr(), x2.stride(0), (int)M, act, w.data_ptr(), w.stride(0), hb ? bc.data_ptr() : nullptr,
-             residual.data_ptr(), N, N, K, ctx.stream, residual.data_ptr(), N);
-  return true;
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) {

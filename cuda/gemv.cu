@@ -34,6 +34,7 @@
 #include "activation.cuh"
 #include "cluster.cuh"
 #include "common.cuh"
+#include "core/tuning.h"
 #include "launch.cuh"
 
 namespace tallow::cuda {
@@ -52,6 +53,11 @@ struct Args {
   int M, steps, split;           // steps: warp steps per row tile; split: CTAs per row tile (cluster)
   int act;                       // gated mode: GemvAct
   int stage_off;                 // gated mode: the staging area's offset in shared memory, in floats
+  // The norm and residual modes below served the fused_linear ops (rms_norm_linear, linear_add,
+  // gated_linear_add), removed with the opt-in in-place decoder layers (measured slower; cuda/README.md,
+  // "Removed switches"). No host code sets them now (always null); their kernel branches are left as
+  // they were so that the kernel's code, and its measured speed, stay the same until an H100 A/B
+  // shows deleting them changes nothing.
   const void* norm_w;            // norm mode (not with gated): x is RMS-normalised with these weights [K]
   float eps, w_add;              //   x * (1 / rms(x)) * (norm_w + w_add), as rms_norm computes it
   const void* res;               // residual mode: out = round(round(x w^T + bias) + res), res may be out
@@ -114,7 +120,7 @@ __device__ __forceinline__ uint4 normed8(uint4 x, uint4 w, float inv, float w_ad
 // Norm mode: 1 / rms of each row m < M (<= kNormMaxM) of x, for this CTA (every CTA computes them:
 // K elements a row from L2, cheaper than a norm kernel's launch). Each thread sums x*x over its
 // 16-byte chunks with FMAs, all rows' loads in flight together; warp trees, then the warps in order.
-constexpr int kNormMaxM = gemv_norm_max_m();
+constexpr int kNormMaxM = 8;
 template <class T>
 __device__ __forceinline__ float sumsq8(uint4 v, float acc) {
   const T* e = reinterpret_cast<const T*>(&v);
@@ -458,12 +464,15 @@ GemvConfig parse_config(const std::string& spec, const char* where) {
 }
 
 std::mutex g_mu;
+// The pinned launch fields (KernelTuning::gemv_config, TALLOW_GEMV_CONFIG at start) and the spec they
+// were parsed from; config_for parses the spec again when the tuning struct's changed. Under g_mu.
 GemvConfig& overrides() {
-  static GemvConfig c = [] {
-    const char* e = std::getenv("TALLOW_GEMV_CONFIG");
-    return e ? parse_config(e, "TALLOW_GEMV_CONFIG") : GemvConfig{};
-  }();
+  static GemvConfig c;
   return c;
+}
+std::string& overrides_spec() {
+  static std::string s;
+  return s;
 }
 
 // The launch for one shape: the override's fields, the heuristic for the rest.
@@ -486,7 +495,7 @@ Launch choose(int64_t M, int64_t N, int64_t K, const DeviceInfo& dev, const Gemv
   while (L.rt * L.unroll > (M > 8 ? 4 : 8)) L.unroll /= 2;
   if (L.unroll < 2) L.unroll = 2, L.rt = 1;
   L.policy = o.policy >= 0 ? o.policy : 0;
-  L.pdl = o.pdl;  // resolved per launch (use_pdl) when -1
+  L.pdl = o.pdl;  // pinned only (gemv_config "pdl=1"); resolved per launch in choose_for
   L.tiles = ceil_div(N, 16 * L.rt);
   L.steps = ceil_div(K / 8, 4 * L.unroll);
   // Workers (warps) per row tile: enough that the whole grid keeps `target` warps per SM busy (64 KiB
@@ -600,7 +609,7 @@ void launch_typed(const Launch& L, const Args& a, cudaStream_t s) {
 
 std::string describe(const Launch& L) {
   return str_cat("warps=", L.warps, ",split=", L.split, ",rt=", L.rt, ",unroll=", L.unroll, ",policy=", L.policy,
-                 ",pdl=", L.pdl < 0 ? std::string("graphs") : std::to_string(L.pdl), " (tiles=", L.tiles,
+                 ",pdl=", L.pdl > 0 ? 1 : 0, " (tiles=", L.tiles,
                  ",steps=", L.steps, ")");
 }
 
@@ -632,13 +641,7 @@ std::map<TuneKey, GemvConfig>& tuned() {  // under g_mu
   return t;
 }
 
-bool autotune_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("TALLOW_GEMV_AUTOTUNE");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
+bool autotune_enabled() { return kernel_tuning().gemv_autotune; }
 
 bool overridden(const GemvConfig& o) {
   return o.warps > 0 || o.split > 0 || o.rt > 0 || o.unroll > 0 || o.policy >= 0 || o.pdl >= 0 || o.target > 0;
@@ -654,6 +657,11 @@ int current_device_index() {
 // `found` tells whether the table had the shape.
 GemvConfig config_for(const TuneKey& key, bool* found = nullptr) {
   std::lock_guard<std::mutex> lk(g_mu);
+  if (const std::string& spec = kernel_tuning().gemv_config; spec != overrides_spec()) {
+    overrides() = parse_config(spec, "TALLOW_GEMV_CONFIG");  // raises ValueError for a bad spec
+    overrides_spec() = spec;
+    tuned().clear();  // tune again under the new settings
+  }
   if (found) *found = true;
   if (overridden(overrides())) return overrides();
   auto it = tuned().find(key);
@@ -666,8 +674,10 @@ GemvConfig config_for(const TuneKey& key, bool* found = nullptr) {
 Launch choose_for(int64_t M, int64_t N, int64_t K, const GemvConfig& cfg, cudaStream_t stream) {
   const DeviceInfo dev = device_info();
   Launch L = choose(M, N, K, dev, cfg);
-  if (!pdl_enabled() || dev.major < 9) L.pdl = 0;
-  else if (L.pdl < 0) L.pdl = is_capturing(stream) ? 1 : 0;  // weights are static only on the decode path
+  // PDL only where a pinned config asks for it (measured slower by default: cuda/README.md, "Removed
+  // switches", TALLOW_PDL).
+  // Under graph capture only: weights are static on the decode path, not necessarily in eager calls.
+  if (dev.major < 9 || L.pdl <= 0 || !is_capturing(stream)) L.pdl = 0;
   return L;
 }
 
@@ -756,10 +766,9 @@ bool gemv_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, in
 }
 
 void gemv(DType dt, const void* x, int64_t ldx, int M, const void* w, int64_t ldw, const void* bias, void* out,
-          int64_t ldo, int64_t N, int64_t K, void* stream, const GemvFusion& f) {
-  TALLOW_CHECK(!f.norm_w || M <= kNormMaxM, "linear: the fused RMSNorm takes at most ", kNormMaxM, " rows, got ", M);
+          int64_t ldo, int64_t N, int64_t K, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, 0, 1, 0, 0, f.norm_w, f.eps, f.w_add, f.residual, f.ldr};
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, 0, 1, 0, 0, nullptr, 0.f, 0.f, nullptr, 0};
   launch_tuned<false>(dt, a, K, s);
 }
 
@@ -770,10 +779,10 @@ bool gemv_gated_supported(DType dt, int64_t M, int64_t N, int64_t K, const void*
 }
 
 void gemv_gated(DType dt, const void* x, int64_t ldx, int M, int act, const void* w, int64_t ldw, const void* bias,
-                void* out, int64_t ldo, int64_t N, int64_t K, void* stream, const void* residual, int64_t ldr) {
+                void* out, int64_t ldo, int64_t N, int64_t K, void* stream) {
   TALLOW_CHECK(act == kGemvSilu || act == kGemvGeluTanh || act == kGemvGeluErf, "gated_linear: bad activation ", act);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, 0, 1, act, 0, nullptr, 0.f, 0.f, residual, ldr};
+  Args a{x, w, bias, out, M > 1 ? ldx : 0, ldw, ldo, N, K / 8, M, 0, 1, act, 0, nullptr, 0.f, 0.f, nullptr, 0};
   launch_tuned<true>(dt, a, K, s);
 }
 
@@ -787,6 +796,8 @@ void set_gemv_config(const std::string& spec) {
   const GemvConfig c = parse_config(spec, "set_gemv_config");
   std::lock_guard<std::mutex> lk(g_mu);
   overrides() = c;
+  overrides_spec() = spec;
+  mutable_kernel_tuning().gemv_config = spec;
   tuned().clear();  // tune again under the new settings
 }
 

@@ -17,7 +17,7 @@ struct GemvConfig {
   int rt = -1;      // 16-row tiles per warp (1, 2): x fragments reused across them
   int unroll = -1;  // 16-byte chunks per row per lane per step (2, 4, 8); halved until rt * unroll <= 8 (4 for M > 8)
   int policy = -1;  // weight loads: 0 ld.global.cs (evict-first), 1 ld.global.nc.L1::no_allocate.L2::256B
-  int pdl = -1;     // 1: always PDL, 0: never; default: PDL under graph capture (see use_pdl)
+  int pdl = -1;     // 1: PDL under graph capture on sm_90 (measured slower: sweeps only); default, 0: never
   int target = -1;  // heuristic: warps per SM to aim for (default 16: 64 KiB of loads in flight per SM)
 };
 
@@ -27,24 +27,10 @@ struct GemvConfig {
 bool gemv_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx, int64_t x_kstride,
                     const void* w, int64_t ldw, int64_t w_kstride, int64_t ldo);
 
-// What gemv folds into its product (both optional):
-//  * norm mode: x is replaced by rms_norm(x, norm_w, eps) (x * inv * (norm_w + w_add), rounded to the
-//    dtype; norm_w [K] contiguous, M <= gemv_norm_max_m()); every CTA computes the rows' 1 / rms
-//    itself, so no norm kernel runs;
-//  * residual mode: out = round(round(x w^T + bias) + residual) (linear, then add, as they round);
-//    residual (row stride ldr) may be out itself (each element is read and written by one thread).
-struct GemvFusion {
-  const void* norm_w = nullptr;
-  float eps = 0.f, w_add = 0.f;
-  const void* residual = nullptr;
-  int64_t ldr = 0;
-};
-constexpr int gemv_norm_max_m() { return 8; }
-
 // Launches on `stream` (a cudaStream_t); no synchronisation, no allocation: safe under graph capture.
 // Deterministic: every output is reduced in a fixed order. Call only where gemv_supported() holds.
 void gemv(DType dt, const void* x, int64_t ldx, int M, const void* w, int64_t ldw, const void* bias, void* out,
-          int64_t ldo, int64_t N, int64_t K, void* stream, const GemvFusion& fusion = GemvFusion{});
+          int64_t ldo, int64_t N, int64_t K, void* stream);
 
 // Gated GEMV: out = (act(x[:, :K]) * x[:, K:]) * w^T (+ bias) with x [M, 2K] (row stride ldx >= 2K),
 // the product rounded to x's dtype before the GEMM exactly as silu_and_mul / gelu_and_mul round it, so
@@ -54,14 +40,14 @@ enum GemvAct : int { kGemvSilu = 0, kGemvGeluTanh = 1, kGemvGeluErf = 2 };
 bool gemv_gated_supported(DType dt, int64_t M, int64_t N, int64_t K, const void* x, int64_t ldx,
                           int64_t x_kstride, const void* w, int64_t ldw, int64_t w_kstride, int64_t ldo);
 void gemv_gated(DType dt, const void* x, int64_t ldx, int M, int act, const void* w, int64_t ldw, const void* bias,
-                void* out, int64_t ldo, int64_t N, int64_t K, void* stream, const void* residual = nullptr,
-                int64_t ldr = 0);
+                void* out, int64_t ldo, int64_t N, int64_t K, void* stream);
 
 // The configuration gemv uses for this shape on the current device, as "warps=8,split=2,...".
 std::string gemv_config(int64_t M, int64_t N, int64_t K);
 
 // Overrides fields of the heuristic, e.g. "warps=8,split=2,unroll=4" ("" restores the heuristic);
-// unknown keys or out-of-range values raise ValueError. TALLOW_GEMV_CONFIG sets it at start.
+// unknown keys or out-of-range values raise ValueError. Also sets KernelTuning::gemv_config (whose
+// start-up value is TALLOW_GEMV_CONFIG).
 void set_gemv_config(const std::string& spec);
 
 }  // namespace tallow::cuda

@@ -18,15 +18,9 @@ namespace tallow::cuda {
 
 namespace {
 
-// Rows up to which the norms use PDL on their own (see the launch); TALLOW_NORM_PDL_MAX_ROWS overrides
-// (H100, nano-vllm run, 1024 against 16 on one machine: 19,546 vs 19,627 output tok/s, not kept).
-int64_t pdl_max_rows() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("TALLOW_NORM_PDL_MAX_ROWS");
-    return e && *e ? (int64_t)std::atoll(e) : int64_t(16);
-  }();
-  return v;
-}
+// Rows up to which the norms use PDL under capture on sm_90 (see the launch; H100, nano-vllm run, 1024
+// against 16 on one machine: 19,546 vs 19,627 output tok/s, so 16).
+constexpr int64_t kPdlMaxRows = 16;
 
 struct NormArgs {
   int64_t H;
@@ -231,18 +225,11 @@ bool rows_aligned(const Tensor& t, int64_t bytes) {
   return true;
 }
 
-// Rows up to which a norm takes the one-pack-a-thread launch: one CTA an SM (TALLOW_NORM_FEW_ROWS_MAX
-// overrides). In a graph of back-to-back norms the one-pack launch was also faster at 192-512 rows
+// Rows up to which a norm takes the one-pack-a-thread launch: one CTA an SM. In a graph of back-to-back norms the one-pack launch was also faster at 192-512 rows
 // (H100, fused add + norm, hidden 1024: 2.46 / 2.62 / 3.34 us -> 2.29 / 2.43 / 3.09;
 // benchmarks/bench_norm.py), but the nano-vllm run with it up to 1024 rows was not faster (two A/B
 // pairs on one H100: 19,546 vs 19,720 and 19,504 vs 19,523 output tok/s), so the default stays.
-int64_t few_rows_max() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("TALLOW_NORM_FEW_ROWS_MAX");
-    return e && *e ? (int64_t)std::atoll(e) : int64_t(-1);
-  }();
-  return v >= 0 ? v : (int64_t)sm_count();
-}
+int64_t few_rows_max() { return (int64_t)sm_count(); }
 
 template <int kMode>
 void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w, const Tensor* b, const Tensor& o,
@@ -274,13 +261,9 @@ void launch(const char* op, const Tensor& x, const Tensor* res, const Tensor* w,
       R* pr = res ? static_cast<R*>(res->data_ptr()) : nullptr;
       const X* px = static_cast<const X*>(x.data_ptr());
       X* po = static_cast<X*>(o.data_ptr());
-      // Decode-sized launches (a few rows) use PDL under capture on sm_90+ also without TALLOW_PDL
-      // (TALLOW_NORM_PDL=0 turns that off): their launch then overlaps the previous GEMV's tail.
-      static const bool norm_pdl = [] {
-        const char* e = std::getenv("TALLOW_NORM_PDL");
-        return !(e && std::string(e) == "0");
-      }();
-      const bool pdl = use_pdl(ctx.stream) || (norm_pdl && rows <= pdl_max_rows() && pdl_capable(ctx.stream));
+      // Decode-sized launches (a few rows) use PDL under capture on sm_90+: their launch then overlaps
+      // the previous GEMV's tail (H100, Llama-3-8B batch 1: 168.4 -> 169.5-169.8 tok/s).
+      const bool pdl = rows <= kPdlMaxRows && pdl_capable(ctx.stream);
       auto run = [&](auto kernel) {
         if (smem > 48 * 1024)
           TALLOW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));

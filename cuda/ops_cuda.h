@@ -1,6 +1,6 @@
-// The CUDA entry points of every core op, with the contracts of cpp/ops/*.h. The op entry points
-// in cpp/ops call these (under TALLOW_WITH_CUDA) after their argument checks when the tensors are on
-// a CUDA device. Inputs may have any strides the CPU op accepts; outputs are contiguous. Work runs
+// The CUDA entry points of every core op, with the contracts of cpp/ops/*.h. backend.cpp registers
+// them as DeviceType::CUDA's op table (core/backend.h); the op entry points in cpp/ops call them
+// through that table after their argument checks when the tensors are on a CUDA device. Inputs may have any strides the CPU op accepts; outputs are contiguous. Work runs
 // asynchronously on the current stream of the tensors' device; failures raise naming the op.
 #pragma once
 #include <optional>
@@ -41,14 +41,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
 Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::string& activation, const std::optional<Tensor>& out);
-// fused_linear (ops/fused_linear.h), decode shapes only: nullopt / false where the caller composes.
-std::optional<Tensor> rms_norm_linear(const Tensor& x, const Tensor& norm_w, float eps, float w_add, const Tensor& w,
-                                      const std::optional<Tensor>& bias);
-bool linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const Tensor& residual);
-bool gated_linear_add(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
-                      const std::string& activation, const Tensor& residual);
 // Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 16;
-// TALLOW_SKINNY_MAX_M sets it at start; 0 turns the skinny kernel off).
+// KernelTuning::skinny_max_m, TALLOW_SKINNY_MAX_M at start; 0 turns the skinny kernel off).
 int skinny_max_m();
 void set_skinny_max_m(int m);
 // norm.cu

@@ -9,15 +9,14 @@ namespace tallow::cuda {
 // So it executes griddepcontrol.wait (pdl_wait) before it reads anything an earlier kernel may write
 // and before its first global store (the caching allocator reuses memory in stream order: a buffer it
 // writes may still be read by the previous kernel), and it triggers its own dependents early. Used by
-// gemv / gated gemv, rms_norm / fused_add_rms_norm / layer_norm and silu_and_mul / gelu_and_mul on
-// streams that are capturing a CUDA graph (the decode path; weights are never written there, so
-// gemv's first weight loads go before the wait). Every one of them waits in every thread, so a
-// kernel's completion still implies its predecessors' (a later kernel's wait covers the whole chain).
-bool pdl_enabled();              // TALLOW_PDL=1 (read once) turns it on; default off (measured slower)
-void set_pdl_enabled(bool on);   // tests: compare with and without
-bool use_pdl(void* stream);      // enabled, compute capability >= 9.0 and `stream` is capturing
-bool pdl_capable(void* stream);  // compute capability >= 9.0 and `stream` is capturing (the switch aside:
-                                 // kernels measured faster with PDL use it on their own, see rope_cache.cu)
+// the norms for a few rows and rope_and_cache on streams that are capturing a CUDA graph (the decode
+// path), and by the decode-attention kernel on its own terms (attention/decode.cu); gemv only with a
+// pinned "pdl=1" launch (gemv weights are never written on the decode path, so its first weight loads
+// go before the wait). The kernels that may be launched so (also gemv, silu_and_mul / gelu_and_mul)
+// wait in every thread, so a kernel's completion still implies its predecessors' (a later kernel's
+// wait covers the whole chain). The global switch for the rest (TALLOW_PDL) was removed with the path
+// it selected, measured slower (cuda/README.md, "Removed switches").
+bool pdl_capable(void* stream);  // compute capability >= 9.0 and `stream` is capturing
 
 }  // namespace tallow::cuda
 

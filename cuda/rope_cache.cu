@@ -40,8 +40,9 @@
 #include <string>
 #include <type_traits>
 
-#include "pdl.cuh"
+#include "core/tuning.h"
 #include "launch.cuh"
+#include "pdl.cuh"
 #include "norm.cuh"
 #include "ops_cuda.h"
 #include "paged_attention.cuh"
@@ -537,12 +538,8 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
   a.rot = (int)rot;
   a.neox = neox;
   a.b_first = b_first;
-  // Whole-pack rotation needs every pack on one side of `half` (neox); TALLOW_ROPE_PACKED=0 turns it off.
-  static const bool packed_on = [] {
-    const char* e = std::getenv("TALLOW_ROPE_PACKED");
-    return !(e && std::string(e) == "0");
-  }();
-  a.packed = packed_on && (!neox || half % V == 0);
+  // Whole-pack rotation needs every pack on one side of `half` (neox).
+  a.packed = !neox || half % V == 0;
   a.kc = k_cache.data_ptr();
   a.vc = v_cache.data_ptr();
   a.kca = {k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
@@ -564,28 +561,22 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
   const int threads = (int)std::min<int64_t>(max_threads, std::max<int64_t>(min_threads, (rows * G + 31) / 32 * 32));
   const size_t smem = (size_t)threads * np * 16 + (size_t)rot * sizeof(float);
   const unsigned blocks = (unsigned)std::min<int64_t>(T, (int64_t)1 << 20);
-  // PDL under capture on sm_90+ also without TALLOW_PDL (TALLOW_ROPE_PDL=0 turns it off): the launch
-  // and the position -> cos/sin loads then overlap the qkv projection's tail (H100, Llama-3-8B batch-1
-  // decode: see cuda/README.md).
-  static const bool rope_pdl = [] {
-    const char* e = std::getenv("TALLOW_ROPE_PDL");
-    return !(e && std::string(e) == "0");
-  }();
-  const bool pdl = use_pdl(ctx.stream) || (rope_pdl && pdl_capable(ctx.stream));
-  // The warp kernel where its layout holds (see above); TALLOW_ROPE_WARP=0 (read at each call, for
-  // A/B runs and tests) keeps the block kernel.
-  const char* warp_env = std::getenv("TALLOW_ROPE_WARP");
-  const bool warp = !(warp_env && std::string(warp_env) == "0") && np == 1 && a.packed && rot % V == 0 &&
-                    aligned_to(a.cs, 16) && a.cs_stride % 4 == 0;
+  // PDL under capture on sm_90+: the launch and the position -> cos/sin loads then overlap the qkv
+  // projection's tail (H100, Llama-3-8B batch-1 decode: 167.7 -> 168.5 tok/s, cuda/README.md).
+  const bool pdl = pdl_capable(ctx.stream);
+  // The warp kernel where its layout holds (see above); KernelTuning::rope_warp off (tests, A/B runs)
+  // keeps the block kernel.
+  const KernelTuning& tune = kernel_tuning();
+  const bool warp = tune.rope_warp && np == 1 && a.packed && rot % V == 0 && aligned_to(a.cs, 16) &&
+                    a.cs_stride % 4 == 0;
   // Rows a lane takes (R): the fewest that put the whole grid in one wave (latency-bound sizes: a
   // decode step), else two (bandwidth-bound: more loads in flight a warp; H100, bench_rope_cache.py:
-  // 8,192 tokens 134 -> 112 us with one -> two, four no better). TALLOW_ROPE_ROWS=1|2|4 pins it.
-  const char* rows_env = std::getenv("TALLOW_ROPE_ROWS");
+  // 8,192 tokens 134 -> 112 us with one -> two, four no better). KernelTuning::rope_rows pins it.
   const int64_t row_slots = ceil_div(rows, 32 / G), wpb = kWarpKernelThreads / 32;
   auto units_for = [&](int r) { return T * ceil_div(row_slots, (int64_t)r); };
   int R = 2;
-  if (rows_env && (std::string(rows_env) == "1" || std::string(rows_env) == "2" || std::string(rows_env) == "4")) {
-    R = std::atoi(rows_env);
+  if (tune.rope_rows == 1 || tune.rope_rows == 2 || tune.rope_rows == 4) {
+    R = (int)tune.rope_rows;
   } else if (warp) {
     static const std::array<int, 3> per_sm = [] {  // resident CTAs an SM of each R (bf16, the common case)
       std::array<int, 3> n{};

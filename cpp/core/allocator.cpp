@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/tuning.h"
 
 namespace tallow {
 
@@ -23,8 +24,7 @@ class CpuAllocator final : public Allocator {
   static constexpr size_t kCacheMin = 1 << 20;
 
   CpuAllocator() {
-    const char* env = std::getenv("TALLOW_CPU_CACHE_MB");
-    cache_limit_ = (env ? (size_t)std::max(0L, std::atol(env)) : 1024) << 20;
+    cache_limit_ = (size_t)std::max<int64_t>(0, kernel_tuning().cpu_cache_mb) << 20;
   }
   ~CpuAllocator() override { empty_cache(); }
 

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/tuning.h"
+
 namespace tallow {
 
 namespace {
@@ -16,10 +18,7 @@ namespace {
 thread_local bool t_in_worker = false;
 
 int default_threads() {
-  if (const char* env = std::getenv("TALLOW_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
+  if (const int64_t n = kernel_tuning().num_threads; n > 0) return (int)n;
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

@@ -14,9 +14,6 @@
 #include "ops/common.h"
 #include "ops/rows.h"
 #include "ops/vec_math.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 #if defined(__GNUC__) || defined(__clang__)
 #define TALLOW_ACT_INLINE inline __attribute__((always_inline))
@@ -80,10 +77,10 @@ Tensor gated(const char* op, const Tensor& x_in, const std::optional<Tensor>& ou
   const int64_t d = shape.back() / 2;
   shape.back() = d;
   Tensor o = make_out(op, out, shape, x_in.dtype(), x_in.device());
-#ifdef TALLOW_WITH_CUDA
-  if (x_in.device().type == DeviceType::CUDA) return kAct == Act::Silu ? cuda::silu_and_mul(x_in, o) : cuda::gelu_and_mul(x_in, kAct == Act::GeluTanh ? "tanh" : "none", o);
-#endif
-  if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
+  if (!x_in.device().is_cpu()) {
+    if constexpr (kAct == Act::Silu) return device_op(&BackendOps::silu_and_mul, op, x_in)(x_in, o);
+    else return device_op(&BackendOps::gelu_and_mul, op, x_in)(x_in, kAct == Act::GeluTanh ? "tanh" : "none", o);
+  }
   const Tensor x = x_in.stride(-1) != 1 ? x_in.contiguous() : x_in;
   TALLOW_DISPATCH_FLOAT(op, x.dtype(), [&] {
     parallel_rows(num_rows(o), 8 * d, [&](int64_t r0, int64_t r1) {

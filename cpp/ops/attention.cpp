@@ -37,9 +37,6 @@
 #include "core/parallel.h"
 #include "core/simd.h"
 #include "ops/common.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 // `omp simd` with a sum reduction (simd.h has the plain form only).
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -234,10 +231,9 @@ Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, flo
   TALLOW_CHECK(sliding_window >= 0, op, ": sliding_window must be >= 0 (0 = no window), got ", sliding_window);
   TALLOW_CHECK(softcap >= 0.0f, op, ": softcap must be >= 0 (0 = none), got ", softcap);
   TALLOW_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-#ifdef TALLOW_WITH_CUDA
-  if (q_in.device().type == DeviceType::CUDA) return cuda::attention(q_in, k_in, v_in, scale, causal, sliding_window, softcap);
-#endif
-  if (!q_in.device().is_cpu()) unsupported_device(op, q_in);
+  if (!q_in.device().is_cpu())
+    return device_op(&BackendOps::attention, op, q_in, {&q_in, &k_in, &v_in})(q_in, k_in, v_in, scale, causal,
+                                                                              sliding_window, softcap);
 
   // Any strides work as long as each head vector is contiguous; copy the rare operand that is not.
   auto inner = [](const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); };

@@ -3,9 +3,6 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -70,10 +67,7 @@ Tensor cast(const Tensor& x, DType dtype) {
   if (is_block_dtype(x.dtype())) return dequantize(x, dtype);
   TALLOW_CHECK_TYPE(!is_block_dtype(dtype), "cast: cannot cast ", dtype_name(x.dtype()), shape_str(x.shape()), " to ",
                     dtype_name(dtype), " (quantization is not a cast)");
-#ifdef TALLOW_WITH_CUDA
-  if (x.device().type == DeviceType::CUDA) return cuda::cast(x, dtype);
-#endif
-  if (!x.device().is_cpu()) unsupported_device("cast", x);
+  if (!x.device().is_cpu()) return device_op(&BackendOps::cast, "cast", x)(x, dtype);
   Tensor o = Tensor::empty(x.shape(), dtype, x.device());
   if (dtype == x.dtype()) {
     o.copy_(x);

@@ -4,6 +4,7 @@
 #include <initializer_list>
 #include <optional>
 
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "core/tensor.h"
@@ -59,9 +60,37 @@ inline Tensor make_out(const char* op, const std::optional<Tensor>& out, const S
   return *out;
 }
 
-// Raised by an entry point for a device this build or this op does not support.
-[[noreturn]] inline void unsupported_device(const char* op, const Tensor& t) {
-  throw ValueError(str_cat(op, ": no kernel for device ", t.device().str(), " in this build"));
+// Raised by an entry point for a device this build or this op does not support; names the op, the
+// device, why, and the shapes of the tensors in `args` (default: t's).
+[[noreturn]] inline void unsupported_device(const char* op, const Tensor& t,
+                                            std::initializer_list<const Tensor*> args = {}) {
+  std::string shapes;
+  for (const Tensor* a : args)
+    if (a) shapes += (shapes.empty() ? "" : ", ") + (a->defined() ? shape_str(a->shape()) : std::string("undefined"));
+  if (args.size() == 0) shapes = shape_str(t.shape());
+  const BackendOps* b = t.device().is_cpu() ? nullptr : find_backend(t.device().type);
+  const std::string why = t.device().is_cpu() ? std::string("no CPU kernel")
+                          : b ? str_cat("the ", b->name, " backend registered no ", op, " kernel")
+                              : std::string("no backend registered for this device type");
+  throw ValueError(str_cat(op, ": no kernel for device ", t.device().str(), " in this build (", why, "; shapes ",
+                           shapes, ")"));
+}
+
+// The entry point of the backend registered for t's (non-CPU) device, e.g.
+//   if (!a.device().is_cpu()) return device_op(&BackendOps::matmul, op, a, {&a, &b})(a, b, out);
+// and ValueError (unsupported_device) when no backend registered it.
+template <class F>
+F device_op(F BackendOps::*entry, const char* op, const Tensor& t, std::initializer_list<const Tensor*> args = {}) {
+  const BackendOps* b = find_backend(t.device().type);
+  if (b && b->*entry) return b->*entry;
+  unsupported_device(op, t, args);
+}
+
+// The entry point, or nullptr (for ops with a composition to fall back on).
+template <class F>
+F find_device_op(F BackendOps::*entry, const Device& d) {
+  const BackendOps* b = d.is_cpu() ? nullptr : find_backend(d.type);
+  return b ? b->*entry : nullptr;
 }
 
 }  // namespace tallow::ops

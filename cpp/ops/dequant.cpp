@@ -28,8 +28,13 @@
 #include "ops/common.h"
 #include "ops/dequant_row.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#include "ops/gemm_kernel.h"  // gemm::isa_name(): the row routines follow the GEMM's kernel-set choice
+#define TALLOW_DEQ_AVX2 1
+#else
+#define TALLOW_DEQ_AVX2 0
 #endif
 
 namespace tallow::ops {
@@ -280,7 +285,184 @@ TALLOW_SIMD_CLONES void deq_q8_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW
 
 using RowFn = void (*)(const uint8_t*, float*, int64_t);
 
+// ---- AVX2 row routines ---------------------------------------------------------------------------------
+// The same formulas as the reference routines above, 8 lanes at a time: bytes widened to i32 lanes
+// (vpmovzxbd/vpmovsxbd from memory), nibbles split with and/shift, converted exactly to f32, then the same
+// multiplies in the same order. Where the reference adds or subtracts after a product (Q4_1, Q4_K), that
+// product is exact (see the top of this file), so the fused multiply-add used here rounds identically.
+// The f16 scales are converted with F16C, exact for every f16 (subnormals included).
+// Used when the GEMM runs its AVX-512 or AVX2 kernel set (gemm::set_isa("portable") selects the reference).
+#if TALLOW_DEQ_AVX2
+#define TALLOW_AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+TALLOW_AVX2_FN static inline float f16_avx2(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+TALLOW_AVX2_FN static inline __m256i u8x8(const uint8_t* p) {  // 8 bytes -> 8 x i32 (zero-extended)
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+TALLOW_AVX2_FN static inline __m256i i8x8(const uint8_t* p) {  // 8 bytes -> 8 x i32 (sign-extended)
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+TALLOW_AVX2_FN void deq_q4_0_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  const __m256i m4 = _mm256_set1_epi32(0x0F), k8 = _mm256_set1_epi32(8);
+  for (int64_t b = 0; b < nb; ++b, x += 18, y += 32) {
+    const __m256 d = _mm256_set1_ps(f16_avx2(x));
+    const __m256i a = u8x8(x + 2), c = u8x8(x + 10);  // qs[0..7], qs[8..15]
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a, m4), k8)), d));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, m4), k8)), d));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(a, 4), k8)), d));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), k8)), d));
+  }
+}
+
+TALLOW_AVX2_FN void deq_q4_1_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  const __m256i m4 = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < nb; ++b, x += 20, y += 32) {
+    const __m256 d = _mm256_set1_ps(f16_avx2(x)), m = _mm256_set1_ps(f16_avx2(x + 2));
+    const __m256i a = u8x8(x + 4), c = u8x8(x + 12);
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, m4)), d, m));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, m4)), d, m));
+    _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m));
+    _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), d, m));
+  }
+}
+
+// Q5_0 / Q5_1: bit j of qh is the 5th bit of element j (j < 16 low nibbles, j >= 16 high nibbles).
+template <bool kMin>
+TALLOW_AVX2_FN void deq_q5_x_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  constexpr int kTs = kMin ? 24 : 22, kQh = kMin ? 4 : 2;
+  const __m256i m4 = _mm256_set1_epi32(0x0F), k16 = _mm256_set1_epi32(16);
+  const __m256i sh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i one = _mm256_set1_epi32(1);
+  for (int64_t b = 0; b < nb; ++b, x += kTs, y += 32) {
+    const __m256 d = _mm256_set1_ps(f16_avx2(x));
+    const __m256 m = kMin ? _mm256_set1_ps(f16_avx2(x + 2)) : _mm256_setzero_ps();
+    uint32_t qh;
+    std::memcpy(&qh, x + kQh, 4);
+    const uint8_t* qs = x + kQh + 4;
+    const __m256i a = u8x8(qs), c = u8x8(qs + 8);
+    const __m256i q[4] = {_mm256_and_si256(a, m4), _mm256_and_si256(c, m4), _mm256_srli_epi32(a, 4),
+                          _mm256_srli_epi32(c, 4)};
+    for (int v = 0; v < 4; ++v) {
+      const __m256i h = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (8 * v))), sh), one);
+      const __m256i qi = _mm256_or_si256(q[v], _mm256_slli_epi32(h, 4));
+      const __m256 f = _mm256_cvtepi32_ps(kMin ? qi : _mm256_sub_epi32(qi, k16));
+      _mm256_storeu_ps(y + 8 * v, kMin ? _mm256_fmadd_ps(f, d, m) : _mm256_mul_ps(f, d));
+    }
+  }
+}
+
+template <int kTypeSize, int kQsOffset>
+TALLOW_AVX2_FN void deq_q8_x_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += kTypeSize, y += 32) {
+    const __m256 d = _mm256_set1_ps(f16_avx2(x));
+    const uint8_t* qs = x + kQsOffset;
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(i8x8(qs + 8 * v)), d));
+  }
+}
+
+TALLOW_AVX2_FN void deq_q8_k_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 292, y += 256) {
+    const __m256 d = _mm256_set1_ps(load_f32(x));
+    for (int v = 0; v < 32; ++v) _mm256_storeu_ps(y + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(i8x8(x + 4 + 8 * v)), d));
+  }
+}
+
+// Q4_K / Q5_K: per 64 elements two (scale, min) pairs; y = (d * sc) * q - dmin * m, the product exact.
+template <bool kQ5>
+TALLOW_AVX2_FN void deq_q45_k_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  constexpr int kTs = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
+  const __m256i m4 = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1);
+  for (int64_t b = 0; b < nb; ++b, x += kTs, y += 256) {
+    const float d = f16_avx2(x), dmin = f16_avx2(x + 2);
+    const uint8_t* scales = x + 4;
+    const uint8_t* qh = x + 16;
+    const uint8_t* qs = x + kQs;
+    for (int g = 0; g < 4; ++g) {
+      int sc1, m1, sc2, m2;
+      scale_min_k4(scales, 2 * g, sc1, m1);
+      scale_min_k4(scales, 2 * g + 1, sc2, m2);
+      const __m256 d1 = _mm256_set1_ps(d * (float)sc1), dm1 = _mm256_set1_ps(dmin * (float)m1);
+      const __m256 d2 = _mm256_set1_ps(d * (float)sc2), dm2 = _mm256_set1_ps(dmin * (float)m2);
+      const uint8_t* q = qs + 32 * g;
+      float* out = y + 64 * g;
+      for (int l = 0; l < 32; l += 8) {
+        const __m256i a = u8x8(q + l);
+        __m256i lo = _mm256_and_si256(a, m4), hi = _mm256_srli_epi32(a, 4);
+        if constexpr (kQ5) {
+          const __m256i h = u8x8(qh + l);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * g), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * g + 1), one), 4));
+        }
+        _mm256_storeu_ps(out + l, _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(lo), dm1));
+        _mm256_storeu_ps(out + l + 32, _mm256_fmsub_ps(d2, _mm256_cvtepi32_ps(hi), dm2));
+      }
+    }
+  }
+}
+
+TALLOW_AVX2_FN void deq_q6_k_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  const __m256i m4 = _mm256_set1_epi32(0x0F), m30 = _mm256_set1_epi32(0x30), k32 = _mm256_set1_epi32(32);
+  for (int64_t b = 0; b < nb; ++b, x += 210, y += 256) {
+    const float d = f16_avx2(x + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(x + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = x + 64 * h;
+      const uint8_t* qh = x + 128 + 32 * h;
+      float* out = y + 128 * h;
+      for (int l = 0; l < 32; l += 8) {
+        const int k = l / 16;
+        const __m256 s1 = _mm256_set1_ps(d * (float)sc[8 * h + k]), s2 = _mm256_set1_ps(d * (float)sc[8 * h + k + 2]);
+        const __m256 s3 = _mm256_set1_ps(d * (float)sc[8 * h + k + 4]), s4 = _mm256_set1_ps(d * (float)sc[8 * h + k + 6]);
+        const __m256i a = u8x8(ql + l), c = u8x8(ql + l + 32), hb = u8x8(qh + l);
+        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi32(hb, 4), m30));
+        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi32(hb, 2), m30));
+        const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(hb, m30));
+        const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(hb, 2), m30));
+        _mm256_storeu_ps(out + l, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, k32))));
+        _mm256_storeu_ps(out + l + 32, _mm256_mul_ps(s2, _mm256_cvtepi32_ps(_mm256_sub_epi32(q2, k32))));
+        _mm256_storeu_ps(out + l + 64, _mm256_mul_ps(s3, _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, k32))));
+        _mm256_storeu_ps(out + l + 96, _mm256_mul_ps(s4, _mm256_cvtepi32_ps(_mm256_sub_epi32(q4, k32))));
+      }
+    }
+  }
+}
+
+RowFn avx2_row_fn(DType t) {
+  switch (t) {
+    case DType::Q4_0: return deq_q4_0_avx2;
+    case DType::Q4_1: return deq_q4_1_avx2;
+    case DType::Q5_0: return deq_q5_x_avx2<false>;
+    case DType::Q5_1: return deq_q5_x_avx2<true>;
+    case DType::Q8_0: return deq_q8_x_avx2<34, 2>;
+    case DType::Q8_1: return deq_q8_x_avx2<36, 4>;
+    case DType::Q4_K: return deq_q45_k_avx2<false>;
+    case DType::Q5_K: return deq_q45_k_avx2<true>;
+    case DType::Q6_K: return deq_q6_k_avx2;
+    case DType::Q8_K: return deq_q8_k_avx2;
+    default: return nullptr;  // Q2_K, Q3_K: the reference routines (compiler-vectorized)
+  }
+}
+#undef TALLOW_AVX2_FN
+#endif  // TALLOW_DEQ_AVX2
+
+RowFn reference_row_fn(DType t);
+
+// The row routine for dtype t: the AVX2 one where this CPU and the GEMM's kernel-set choice allow,
+// else the reference.
 RowFn row_fn(DType t) {
+#if TALLOW_DEQ_AVX2
+  if (std::strcmp(gemm::isa_name(), "portable") != 0)
+    if (const RowFn f = avx2_row_fn(t)) return f;
+#endif
+  return reference_row_fn(t);
+}
+
+RowFn reference_row_fn(DType t) {
   switch (t) {
     case DType::Q4_0: return deq_q4_0;
     case DType::Q4_1: return deq_q4_1;
@@ -342,10 +524,7 @@ Tensor dequantize(const Tensor& q, DType dtype) {
   TALLOW_CHECK(q.size(-1) <= 1 || q.stride(-1) == 1, "dequantize: ", dtype_name(q.dtype()), " tensor of shape ",
                shape_str(q.shape()), " and strides ", shape_str(q.strides()),
                " must be contiguous along the last dimension");
-#ifdef TALLOW_WITH_CUDA
-  if (q.device().type == DeviceType::CUDA) return cuda::dequantize(q, dtype);
-#endif
-  if (!q.device().is_cpu()) unsupported_device("dequantize", q);
+  if (!q.device().is_cpu()) return device_op(&BackendOps::dequantize, "dequantize", q)(q, dtype);
 
   Tensor o = Tensor::empty(q.shape(), dtype, q.device());
   const int64_t rows = num_rows(q), K = q.size(-1);

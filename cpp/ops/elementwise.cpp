@@ -3,9 +3,6 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -52,10 +49,8 @@ Tensor binary(const char* op, const Tensor& a, const Tensor& b, const std::optio
   check_same_device(op, a, b);
   const Shape shape = broadcast_shape(op, a.shape(), b.shape());
   Tensor o = make_out(op, out, shape, a.dtype(), a.device());
-#ifdef TALLOW_WITH_CUDA
-  if (a.device().type == DeviceType::CUDA) return kOp == BinOp::Add ? cuda::add(a, b, o) : cuda::mul(a, b, o);
-#endif
-  if (!a.device().is_cpu()) unsupported_device(op, a);
+  if (!a.device().is_cpu())
+    return device_op(kOp == BinOp::Add ? &BackendOps::add : &BackendOps::mul, op, a, {&a, &b})(a, b, o);
   const Tensor ea = a.expand(shape), eb = b.expand(shape);
   const int64_t n = shape.empty() ? 1 : shape.back();
   const int64_t sa = shape.empty() ? 1 : ea.stride(-1), sb = shape.empty() ? 1 : eb.stride(-1);
@@ -94,10 +89,7 @@ Tensor scale(const Tensor& a, float s, const std::optional<Tensor>& out) {
   check_defined("scale", a, "a");
   check_float("scale", a, "a");
   Tensor o = make_out("scale", out, a.shape(), a.dtype(), a.device());
-#ifdef TALLOW_WITH_CUDA
-  if (a.device().type == DeviceType::CUDA) return cuda::scale(a, s, o);
-#endif
-  if (!a.device().is_cpu()) unsupported_device("scale", a);
+  if (!a.device().is_cpu()) return device_op(&BackendOps::scale, "scale", a)(a, s, o);
   const int64_t n = a.dim() ? a.size(-1) : 1, sa = a.dim() ? a.stride(-1) : 1;
   TALLOW_DISPATCH_FLOAT("scale", a.dtype(), [&] {
     parallel_rows(num_rows(o), n, [&](int64_t r0, int64_t r1) {

@@ -16,9 +16,6 @@
 #include "ops/common.h"
 #include "ops/dequant_row.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -72,10 +69,8 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
   TALLOW_CHECK_TYPE(odt == DType::F32 || odt == DType::F16 || odt == DType::BF16, op,
                     ": output dtype must be float32, float16 or bfloat16, got ", dtype_name(odt));
   if (block) check_contiguous(op, table, "table (block dtype)");
-#ifdef TALLOW_WITH_CUDA
-  if (ids_in.device().type == DeviceType::CUDA) return cuda::embedding(ids_in, table, out_dtype);
-#endif
-  if (!ids_in.device().is_cpu()) unsupported_device(op, ids_in);
+  if (!ids_in.device().is_cpu())
+    return device_op(&BackendOps::embedding, op, ids_in, {&ids_in, &table})(ids_in, table, out_dtype);
 
   const int64_t V = table.size(0), D = table.size(1);
   const Tensor ids = ids_in.contiguous();

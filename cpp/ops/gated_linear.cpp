@@ -5,9 +5,6 @@
 #include "ops/activation.h"
 #include "ops/common.h"
 #include "ops/matmul.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -38,9 +35,8 @@ Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   Shape oshape = x.shape();
   oshape.back() = N;
   const Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
-#ifdef TALLOW_WITH_CUDA
-  if (x.device().type == DeviceType::CUDA) return cuda::gated_linear(x, w, bias, activation, o);
-#endif
+  // The backend's fused kernel where it has one; else (CPU, or a backend without it) the composition.
+  if (const auto fused = find_device_op(&BackendOps::gated_linear, x.device())) return fused(x, w, bias, activation, o);
   const Tensor y = activation == "silu" ? silu_and_mul(x) : gelu_and_mul(x, activation == "gelu" ? "none" : "tanh");
   return linear(y, w, bias, o);
 }

@@ -7,6 +7,7 @@
 #include "core/half.h"
 #include "core/parallel.h"
 #include "core/simd.h"
+#include "core/tuning.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -109,8 +110,7 @@ Choice named(const std::string& name) {
   return {run_portable, "portable"};
 }
 Choice choose() {
-  if (const char* env = std::getenv("TALLOW_GEMM_ISA"))
-    if (supported(env)) return named(env);
+  if (const std::string& isa = kernel_tuning().gemm_isa; !isa.empty() && supported(isa)) return named(isa);
   for (const char* n : {"avx512", "avx2"})
     if (supported(n)) return named(n);
   return named("portable");

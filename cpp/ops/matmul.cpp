@@ -4,9 +4,6 @@
 #include <vector>
 
 #include "ops/common.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 #include "ops/gemm_kernel.h"
 
 namespace tallow::ops {
@@ -74,11 +71,10 @@ Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out
   Shape oshape = batch;
   oshape.push_back(M);
   oshape.push_back(N);
-#ifdef TALLOW_WITH_CUDA
-  if (a.device().type == DeviceType::CUDA)
-    return cuda::matmul(a, b, make_out(op, out, oshape, a.dtype(), a.device()));
-#endif
-  if (!a.device().is_cpu()) unsupported_device(op, a);
+  if (!a.device().is_cpu()) {  // the entry first: no memory is touched on a device without the op
+    const auto kernel = device_op(&BackendOps::matmul, op, a, {&a, &b});
+    return kernel(a, b, make_out(op, out, oshape, a.dtype(), a.device()));
+  }
   Tensor o = make_out(op, out, oshape, a.dtype(), a.device());
   if (o.numel() == 0) return o;
 
@@ -145,11 +141,10 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bia
   }
   Shape oshape(x.shape().begin(), x.shape().end() - 1);
   oshape.push_back(N);
-#ifdef TALLOW_WITH_CUDA
-  if (x.device().type == DeviceType::CUDA)
-    return cuda::linear(x, w, bias, make_out(op, out, oshape, x.dtype(), x.device()));
-#endif
-  if (!x.device().is_cpu()) unsupported_device(op, x);
+  if (!x.device().is_cpu()) {
+    const auto kernel = device_op(&BackendOps::linear, op, x, {&x, &w});
+    return kernel(x, w, bias, make_out(op, out, oshape, x.dtype(), x.device()));
+  }
   Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
   if (o.numel() == 0) return o;
 

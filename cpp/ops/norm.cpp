@@ -21,9 +21,6 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 #define TALLOW_NORM_PRAGMA(x) _Pragma(#x)
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -150,10 +147,7 @@ Tensor rms_norm(const Tensor& x_in, const Tensor& w, float eps, bool gemma_offse
   check_eps(op, eps);
   const std::vector<float> wf = param_f32(op, w, "w", x_in, gemma_offset ? 1.0f : 0.0f);
   Tensor o = make_out(op, out, x_in.shape(), x_in.dtype(), x_in.device());
-#ifdef TALLOW_WITH_CUDA
-  if (x_in.device().type == DeviceType::CUDA) return cuda::rms_norm(x_in, w, eps, gemma_offset, o);
-#endif
-  if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
+  if (!x_in.device().is_cpu()) return device_op(&BackendOps::rms_norm, op, x_in, {&x_in, &w})(x_in, w, eps, gemma_offset, o);
   const Tensor x = last_dim_contiguous(x_in);
   const int64_t n = x.size(-1);
   TALLOW_DISPATCH_FLOAT(op, x.dtype(), [&] {
@@ -178,10 +172,9 @@ Tensor fused_add_rms_norm(const Tensor& x_in, const Tensor& residual, const Tens
                shape_str(residual.shape()), " and strides ", shape_str(residual.strides()),
                " is updated in place and needs a contiguous last dimension");
   const std::vector<float> wf = param_f32(op, w, "w", x_in, gemma_offset ? 1.0f : 0.0f);
-#ifdef TALLOW_WITH_CUDA
-  if (x_in.device().type == DeviceType::CUDA) return cuda::fused_add_rms_norm(x_in, residual, w, eps, gemma_offset);
-#endif
-  if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
+  if (!x_in.device().is_cpu())
+    return device_op(&BackendOps::fused_add_rms_norm, op, x_in, {&x_in, &residual, &w})(x_in, residual, w, eps,
+                                                                                         gemma_offset);
   for (int64_t d = 0; d < residual.dim(); ++d)
     TALLOW_CHECK(residual.stride(d) != 0 || residual.size(d) <= 1, op, ": residual of shape ",
                  shape_str(residual.shape()), " is a broadcast view (stride 0) and cannot be updated in place");
@@ -213,10 +206,7 @@ Tensor layer_norm(const Tensor& x_in, const std::optional<Tensor>& w, const std:
   const std::vector<float> bf =
       b && b->defined() ? param_f32(op, *b, "b", x_in, 0.0f) : std::vector<float>((size_t)n, 0.0f);
   Tensor o = make_out(op, out, x_in.shape(), x_in.dtype(), x_in.device());
-#ifdef TALLOW_WITH_CUDA
-  if (x_in.device().type == DeviceType::CUDA) return cuda::layer_norm(x_in, w, b, eps, o);
-#endif
-  if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
+  if (!x_in.device().is_cpu()) return device_op(&BackendOps::layer_norm, op, x_in)(x_in, w, b, eps, o);
   const Tensor x = last_dim_contiguous(x_in);
   TALLOW_DISPATCH_FLOAT(op, x.dtype(), [&] {
     parallel_rows(num_rows(o), 3 * n, [&](int64_t r0, int64_t r1) {

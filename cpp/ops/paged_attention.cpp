@@ -34,9 +34,6 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 #if defined(_MSC_VER) && !defined(__clang__)
 #define PA_INLINE __forceinline
@@ -679,11 +676,9 @@ void reshape_and_cache(const Tensor& k, const Tensor& v, const Tensor& k_cache, 
   for (const Tensor* t : {&v, &k_cache, &v_cache, &slot_mapping}) check_same_device(op, k, *t);
   check_kv_scale(op, k_scale, "k_scale");
   check_kv_scale(op, v_scale, "v_scale");
-#ifdef TALLOW_WITH_CUDA
-  if (k.device().type == DeviceType::CUDA)
-    return cuda::reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
-#endif
-  if (!k.device().is_cpu()) unsupported_device(op, k);
+  if (!k.device().is_cpu())
+    return device_op(&BackendOps::reshape_and_cache, op, k, {&k, &v, &k_cache, &v_cache, &slot_mapping})(
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 
   const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
   std::vector<int64_t> slots((size_t)T);
@@ -737,12 +732,10 @@ Tensor paged_attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& 
                ": block_tables must be [B, max_blocks], seq_lens [B] and query_start_loc [B + 1]; got block_tables",
                shape_str(block_tables.shape()), " seq_lens", shape_str(seq_lens.shape()), " query_start_loc",
                shape_str(query_start_loc.shape()));
-#ifdef TALLOW_WITH_CUDA
-  if (q_in.device().type == DeviceType::CUDA)
-    return cuda::paged_attention(q_in, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                 softcap, out, k_scale, v_scale, settled_cache);
-#endif
-  if (!q_in.device().is_cpu()) unsupported_device(op, q_in);
+  if (!q_in.device().is_cpu())
+    return device_op(&BackendOps::paged_attention, op, q_in, {&q_in, &k_cache, &v_cache, &block_tables, &seq_lens})(
+        q_in, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap, out, k_scale,
+        v_scale, settled_cache);
 
   // Sequences, validated in full (every block id a sequence reads) before any work.
   const IndexView sl = index_view(seq_lens), qsl = index_view(query_start_loc), bt = index_view(block_tables);

@@ -4,9 +4,6 @@
 
 #include "core/parallel.h"
 #include "ops/common.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -32,13 +29,10 @@ Tensor& fill_uniform_(Tensor& t, float low, float high, uint64_t seed) {
   const uint64_t key = random_detail::seed_key(seed);
   const int64_t n = t.numel();
   if (n == 0) return t;
-#ifdef TALLOW_WITH_CUDA
-  if (t.device().type == DeviceType::CUDA) {
-    cuda::fill_uniform_(t, low, span, key);
+  if (!t.device().is_cpu()) {
+    device_op(&BackendOps::fill_uniform_, op, t)(t, low, span, key);
     return t;
   }
-#endif
-  if (!t.device().is_cpu()) unsupported_device(op, t);
   TALLOW_DISPATCH_FLOAT(op, t.dtype(), [&] {
     scalar_t* p = t.data<scalar_t>();
     parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) { fill_range(p, b, e, key, low, span); });

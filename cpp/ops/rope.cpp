@@ -18,9 +18,6 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -92,10 +89,8 @@ void rotary_embedding(const Tensor& positions, Tensor& q, std::optional<Tensor> 
                " and strides ", shape_str(cos_sin_cache.strides()), " needs a contiguous last dim");
   check_same_device(op, q, positions);
   check_same_device(op, q, cos_sin_cache);
-#ifdef TALLOW_WITH_CUDA
-  if (q.device().type == DeviceType::CUDA) return cuda::rotary_embedding(positions, q, k, cos_sin_cache, neox);
-#endif
-  if (!q.device().is_cpu()) unsupported_device(op, q);
+  if (!q.device().is_cpu())
+    return device_op(&BackendOps::rotary_embedding, op, q, {&positions, &q})(positions, q, k, cos_sin_cache, neox);
 
   // Positions as i64, all validated before any write.
   const int64_t T = positions.numel();

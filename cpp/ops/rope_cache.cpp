@@ -13,9 +13,6 @@
 #include "ops/norm.h"
 #include "ops/paged_attention.h"
 #include "ops/rope.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -105,13 +102,12 @@ void rope_and_cache(const Tensor& positions, const Tensor& q_in, const Tensor& k
 
   Tensor q = q_in, k = k_in;  // handles: the ops below update the caller's storage in place
   const std::optional<Tensor> qw = has_qw ? q_norm_weight : std::nullopt, kw = has_kw ? k_norm_weight : std::nullopt;
-#ifdef TALLOW_WITH_CUDA
-  // The fused kernel (after its own device-side position/slot checks); false: run the composition.
-  if (q.device().type == DeviceType::CUDA &&
-      cuda::rope_and_cache(positions, q, k, v, cos_sin_cache, neox, k_cache, v_cache, slot_mapping, qw, kw, norm_eps,
-                           gemma_norm, k_scale, v_scale))
+  // The backend's fused kernel (after its own device-side position/slot checks) where it has one; it
+  // returns false for layouts it does not take: then the composition runs.
+  if (const auto fused = find_device_op(&BackendOps::rope_and_cache, q.device());
+      fused && fused(positions, q, k, v, cos_sin_cache, neox, k_cache, v_cache, slot_mapping, qw, kw, norm_eps,
+                     gemma_norm, k_scale, v_scale))
     return;
-#endif
   if (q.device().is_cpu()) {
     // Everything the ops below would reject, rejected before the first of them writes.
     const int64_t nslots = k_cache.size(0) * k_cache.size(1);
@@ -123,8 +119,8 @@ void rope_and_cache(const Tensor& positions, const Tensor& q_in, const Tensor& k
       TALLOW_CHECK(s < nslots, op, ": slot_mapping[", t, "] = ", s, " is out of range for k_cache",
                    shape_str(k_cache.shape()), " (", nslots, " slots; negative slots are skipped)");
     }
-  } else if (q.device().type != DeviceType::CUDA) {
-    unsupported_device(op, q);
+  } else if (!find_backend(q.device().type)) {
+    unsupported_device(op, q, {&q, &k, &v});  // else the backend's ops below run (or name what it lacks)
   }
   if (T == 0) return;
   if (has_qw) {

@@ -14,9 +14,6 @@
 
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace tallow::ops {
 
@@ -172,12 +169,9 @@ void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor
   check_param(op, presence_penalty, "presence_penalty", DType::F32, B, logits);
   const int64_t L = token_ids.size(1);
   if (B == 0 || L == 0) return;
-#ifdef TALLOW_WITH_CUDA
-  if (logits.device().type == DeviceType::CUDA)
-    return cuda::apply_penalties(logits, token_ids, token_counts, repetition_penalty, frequency_penalty,
-                                 presence_penalty);
-#endif
-  if (!logits.device().is_cpu()) unsupported_device(op, logits);
+  if (!logits.device().is_cpu())
+    return device_op(&BackendOps::apply_penalties, op, logits, {&logits, &token_ids, &token_counts})(
+        logits, token_ids, token_counts, repetition_penalty, frequency_penalty, presence_penalty);
   const int32_t* ids = token_ids.data<int32_t>();
   const int32_t* counts = token_counts.data<int32_t>();
   for (int64_t i = 0; i < B * L; ++i)  // check first, so a bad id leaves logits untouched
@@ -221,11 +215,8 @@ Tensor sample_tokens(const Tensor& logits, const Tensor& temperature, const Tens
   // integer masses (sampling.h) sum exactly up to 2^20 tokens of mass <= 2^44
   TALLOW_CHECK(V <= (int64_t(1) << 20), op, ": vocabularies above 2^20 tokens are not supported, got logits ",
                shape_str(logits.shape()));
-#ifdef TALLOW_WITH_CUDA
-  if (logits.device().type == DeviceType::CUDA)
-    return cuda::sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets);
-#endif
-  if (!logits.device().is_cpu()) unsupported_device(op, logits);
+  if (!logits.device().is_cpu())
+    return device_op(&BackendOps::sample_tokens, op, logits)(logits, temperature, top_k, top_p, min_p, seeds, offsets);
   Tensor out = Tensor::empty({B}, DType::I32, logits.device());
   if (B == 0) return out;
   int32_t* o = out.data<int32_t>();
@@ -253,10 +244,8 @@ std::tuple<Tensor, Tensor, Tensor> logprobs(const Tensor& logits, const Tensor& 
   TALLOW_CHECK(num_top >= 0 && num_top <= 20, op, ": num_top = ", num_top, " must be in [0, 20]");
   TALLOW_CHECK(num_top <= V || B == 0, op, ": num_top = ", num_top, " exceeds the vocabulary of logits ",
                shape_str(logits.shape()));
-#ifdef TALLOW_WITH_CUDA
-  if (logits.device().type == DeviceType::CUDA) return cuda::logprobs(logits, token_ids, num_top);
-#endif
-  if (!logits.device().is_cpu()) unsupported_device(op, logits);
+  if (!logits.device().is_cpu())
+    return device_op(&BackendOps::logprobs, op, logits, {&logits, &token_ids})(logits, token_ids, num_top);
   const int64_t C = 1 + num_top;
   Tensor vals = Tensor::empty({B, C}, DType::F32, logits.device());
   Tensor ids = Tensor::empty({B, C}, DType::I32, logits.device());

@@ -24,9 +24,6 @@
 #include "ops/common.h"
 #include "ops/rows.h"
 #include "ops/vec_math.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 #define TALLOW_SM_PRAGMA(x) _Pragma(#x)
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -104,10 +101,7 @@ Tensor softmax(const Tensor& x_in, float scale, float softcap, const std::option
   TALLOW_CHECK(std::isfinite(softcap) && softcap >= 0.0f, op, ": softcap must be finite and >= 0 (0 = off), got ",
                softcap, " (x of shape ", shape_str(x_in.shape()), ")");
   Tensor o = make_out(op, out, x_in.shape(), x_in.dtype(), x_in.device());
-#ifdef TALLOW_WITH_CUDA
-  if (x_in.device().type == DeviceType::CUDA) return cuda::softmax(x_in, scale, softcap, o);
-#endif
-  if (!x_in.device().is_cpu()) unsupported_device(op, x_in);
+  if (!x_in.device().is_cpu()) return device_op(&BackendOps::softmax, op, x_in)(x_in, scale, softcap, o);
   const Tensor x = x_in.stride(-1) != 1 && x_in.size(-1) > 1 ? x_in.contiguous() : x_in;
   const int64_t n = x.size(-1);
   TALLOW_DISPATCH_FLOAT(op, x.dtype(), [&] {

@@ -1,9 +1,7 @@
 #include "ops/token_ids.h"
 
 #include "core/error.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
+#include "ops/common.h"
 
 namespace tallow::ops {
 
@@ -15,9 +13,8 @@ void fill_from_previous_(const Tensor& ids, const Tensor& previous) {
                dtype_name(previous.dtype()));
   TALLOW_CHECK(ids.device() == previous.device(), "fill_from_previous_: ids on ", ids.device().str(),
                " but previous on ", previous.device().str());
-#ifdef TALLOW_WITH_CUDA
-  if (ids.device().type == DeviceType::CUDA) return cuda::fill_from_previous_(ids, previous);
-#endif
+  if (!ids.device().is_cpu())
+    return device_op(&BackendOps::fill_from_previous_, "fill_from_previous_", ids, {&ids, &previous})(ids, previous);
   int32_t* p = static_cast<int32_t*>(ids.data_ptr());
   const int32_t* prev = static_cast<const int32_t*>(previous.data_ptr());
   const int64_t n = previous.numel();

@@ -15,9 +15,6 @@
 #include "core/simd.h"
 #include "ops/common.h"
 #include "ops/rows.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 // `omp simd` with a max and a sum reduction (simd.h has the plain form only).
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -103,10 +100,7 @@ Tensor argmax(const Tensor& x) {
   Shape oshape(x.shape().begin(), x.shape().end() - 1);
   TALLOW_CHECK(n > 0 || shape_numel(oshape) == 0, op, ": last dimension of x", shape_str(x.shape()),
                " is empty (no maximum)");
-#ifdef TALLOW_WITH_CUDA
-  if (x.device().type == DeviceType::CUDA) return cuda::argmax(x);
-#endif
-  if (!x.device().is_cpu()) unsupported_device(op, x);
+  if (!x.device().is_cpu()) return device_op(&BackendOps::argmax, op, x)(x);
   Tensor out = Tensor::empty(oshape, DType::I64, x.device());
   int64_t* o = out.data<int64_t>();
   const int64_t sx = x.stride(-1);
@@ -123,10 +117,7 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   check_input(op, x);
   const int64_t n = x.size(-1);
   TALLOW_CHECK(k >= 0 && k <= n, op, ": k = ", k, " must be in [0, ", n, "] for x of shape ", shape_str(x.shape()));
-#ifdef TALLOW_WITH_CUDA
-  if (x.device().type == DeviceType::CUDA) return cuda::topk(x, k);
-#endif
-  if (!x.device().is_cpu()) unsupported_device(op, x);
+  if (!x.device().is_cpu()) return device_op(&BackendOps::topk, op, x)(x, k);
   Shape oshape = x.shape();
   oshape.back() = k;
   Tensor vals = Tensor::empty(oshape, x.dtype(), x.device());

@@ -2,10 +2,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "core/backend.h"
 #include "ops/sampling.h"
-#ifdef TALLOW_WITH_CUDA
-#include "ops_cuda.h"
-#endif
 
 namespace py = pybind11;
 using namespace tallow;
@@ -23,10 +21,7 @@ void bind_sampling(py::module_& m) {
         "log_softmax of logits [B, V]: (values f32 [B, 1 + num_top], ids i32 [B, 1 + num_top], ranks i32 [B]); "
         "column 0 is token_ids, then the num_top most probable tokens");
   m.def("_set_sampling_buffer_capacity", [](int n) {
-#ifdef TALLOW_WITH_CUDA
-    cuda::set_sampling_buffer_capacity(n);
-#else
-    (void)n;
-#endif
-  }, py::arg("n"), "Testing: the CUDA sampling kernels' candidate buffer size (n <= 0: the default)");
+    for (DeviceType t : {DeviceType::CUDA, DeviceType::Metal})
+      if (const BackendOps* b = find_backend(t); b && b->set_sampling_buffer_capacity) b->set_sampling_buffer_capacity(n);
+  }, py::arg("n"), "Testing: the device sampling kernels' candidate buffer size (n <= 0: the default)");
 }

@@ -15,7 +15,8 @@ void bind_rope_cache(py::module_& m);
 void bind_sampling(py::module_& m);
 void bind_random(py::module_& m);
 void bind_gated_linear(py::module_& m);
-void bind_fused_linear(py::module_& m);
+void bind_tuning(py::module_& m);
+void bind_quant_linear(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tallow's C++ core: tensors and ops";
@@ -43,6 +44,7 @@ PYBIND11_MODULE(_core, m) {
   bind_random(m);
   bind_backends(m);
   bind_cuda(m);
-  bind_gated_linear(m);  // after bind_cuda: adds to tallow._core.cuda
-  bind_fused_linear(m);
+  bind_gated_linear(m);
+  bind_tuning(m);
+  bind_quant_linear(m);
 }

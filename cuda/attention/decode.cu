@@ -85,6 +85,7 @@
 #include <vector>
 
 #include "attention/ptx.cuh"
+#include "core/tuning.h"
 #include "launch.cuh"
 #include "pdl.cuh"
 
@@ -1019,11 +1020,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
 
 // ---- host side ---------------------------------------------------------------------------------
 
-int env_int(const char* name, int fallback) {
-  const char* s = std::getenv(name);
-  return s && *s ? std::atoi(s) : fallback;
-}
-
 int current_dev() {
   int dev = 0;
   TALLOW_CUDA_CHECK("paged_attention", cudaGetDevice(&dev));
@@ -1125,7 +1121,7 @@ int64_t choose_splits(int64_t rows, int64_t maxctx, int64_t slots, int64_t min_s
   const int64_t most = std::min<int64_t>({(int64_t)kMaxSplits, max_by_memory,
                                           std::max<int64_t>(need, ceil_div(maxctx, min_split))});
   if (need > most) return -1;
-  const int forced = env_int("TALLOW_DECODE_SPLITS", 0);  // tuning override
+  const int64_t forced = kernel_tuning().decode_splits;  // tuning override (tests: the merge path)
   if (forced > 0) return std::clamp<int64_t>(forced, need, most);
   // The last answer is kept: a decode loop asks the same question every layer and step.
   thread_local int64_t last_key[5] = {-1, -1, -1, -1, -1}, last_best = 1;
@@ -1155,9 +1151,11 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   const bool deep = sizeof(C) == 2 && rows * 8 <= sm_count() && maxctx >= kDeepMinContext;
   // Groups of up to 8 query heads run S^T = K Q^T and O^T = V^T P^T (the narrow kernel: heads are the
   // mma's 8 columns, not 16 rows): half the mmas, exponentials and O registers of the wide kernel.
-  // TALLOW_DECODE_NARROW=0 keeps the wide kernel (A/B).
-  const bool narrow = P.G <= 8 && env_int("TALLOW_DECODE_NARROW", 1) != 0;
-  const int want_stages = env_int("TALLOW_DECODE_STAGES", deep ? kMaxStages : kDefaultStages);
+  // (The switch back to the wide kernel for those, TALLOW_DECODE_NARROW, was removed: cuda/README.md.)
+  const KernelTuning& tune = kernel_tuning();
+  const bool narrow = P.G <= 8;
+  const int want_stages =
+      tune.decode_stages > 0 ? (int)tune.decode_stages : (deep ? kMaxStages : kDefaultStages);
   const KernelFit fit = narrow ? kernel_fit<Q, C, D, true>(want_stages) : kernel_fit<Q, C, D, false>(want_stages);
   if (fit.stages < 1) return false;
   const int64_t slots = (int64_t)fit.per_sm * sm_count();
@@ -1188,15 +1186,19 @@ bool launch(DecodeParams P, const Tensor& q, int64_t maxctx, int64_t split_cap, 
   P.counters = split_counters(rows, n > 1, q, stream, counters);
   static bool no_pdl[64] = {};  // set when the driver refused the attribute once
   const int dev = current_dev();
-  const int mode = env_int("TALLOW_DECODE_PDL", 3);
-  const bool pdl = mode > 0 && compute_major() >= 9 && !no_pdl[dev];
-  P.early = pdl && mode >= 2;
-  P.early_kv = P.early && P.early_kv && mode >= 3;  // settled_cache, when the metadata is read early too
-  P.early_trigger = pdl && mode >= 3;
+  // PDL (sm_90): the metadata read before the wait (rechecked after it), with settled_cache the first
+  // chunks too, and the next launch triggered right after the wait. KernelTuning::decode_pdl off gives
+  // the plain launch of older devices (tests); the intermediate modes of TALLOW_DECODE_PDL (1: wait
+  // before any read, 2: no early cache copies or trigger) were removed, measured slower.
+  const bool pdl = tune.decode_pdl && compute_major() >= 9 && !no_pdl[dev];
+  P.early = pdl;
+  P.early_kv = P.early && P.early_kv;  // settled_cache, when the metadata is read early too
+  P.early_trigger = pdl;
   P.early_ctas = (int)std::min<int64_t>(slots, INT32_MAX);
   // Filling every slot in the prologue pays where few rows leave the stream short (batch 1-8); with
-  // many rows it measured 0.3% slower on the nano-vllm run (two pairs). TALLOW_DECODE_FILL=0/1 forces it.
-  P.fill = env_int("TALLOW_DECODE_FILL", rows < sm_count() ? 1 : 0) != 0;
+  // many rows it measured 0.3% slower on the nano-vllm run (two pairs). KernelTuning::decode_fill forces
+  // it (tests: both sides for one shape).
+  P.fill = tune.decode_fill >= 0 ? tune.decode_fill != 0 : rows < sm_count();
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3((unsigned)n, (unsigned)P.Hk, (unsigned)P.B);
   cfg.blockDim = dim3(kThreads);
@@ -1266,16 +1268,14 @@ bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_
   while ((int64_t(1) << bs_shift) < BS) ++bs_shift;
   const int64_t maxctx = max_blocks * BS;
   const int64_t split_cap = std::max<int64_t>(kTile, (kMaxTable - 2) * BS / kTile * kTile);
-  // TALLOW_DECODE_MIN_SPLIT (a tuning override) fixes the minimum split of every launch, or with
-  // TALLOW_DECODE_MIN_SPLIT_ROWS=lo,hi of launches with lo <= T * Hk < hi rows only; the others keep the
-  // planner's values (launch()).
+  // KernelTuning::decode_min_split (a tuning override) fixes the minimum split of every launch, or of
+  // launches with decode_min_split_rows_lo <= T * Hk < decode_min_split_rows_hi rows only; the others
+  // keep the planner's values (launch()).
   int64_t min_split = kDefaultMinSplit;
   bool fixed_min_split = false;
-  if (const int forced = env_int("TALLOW_DECODE_MIN_SPLIT", 0); forced > 0) {
-    long long lo = 0, hi = INT64_MAX;
-    if (const char* e = std::getenv("TALLOW_DECODE_MIN_SPLIT_ROWS"))
-      if (std::sscanf(e, "%lld,%lld", &lo, &hi) != 2) lo = 0, hi = INT64_MAX;
-    if (T * Hk >= lo && T * Hk < hi) min_split = forced, fixed_min_split = true;
+  if (const KernelTuning& tune = kernel_tuning(); tune.decode_min_split > 0) {
+    if (T * Hk >= tune.decode_min_split_rows_lo && T * Hk < tune.decode_min_split_rows_hi)
+      min_split = tune.decode_min_split, fixed_min_split = true;
   }
   min_split = std::clamp<int64_t>(min_split / kTile * kTile, kTile, split_cap);
   if (ceil_div(maxctx, split_cap) > kMaxSplits) return false;  // contexts past ~kMaxSplits * split_cap

@@ -12,7 +12,7 @@ namespace tallow::cuda {
 // and query_start_loc [B + 1].
 // Made for one query per sequence (T == B, the decode step): grid (split, kv head, sequence), each
 // CTA reads its K/V rows once for all query heads of the kv head's group; a sequence uses
-// ceil(visible keys / TALLOW_DECODE_MIN_SPLIT) splits (at most the grid's), the last split to finish
+// ceil(visible keys / minimum split) splits (at most the grid's), the last split to finish
 // merges them (no second kernel). A sequence with more than one query (possible with T == B when
 // another has none) is still right, its queries run one after another. Supported: T == B, D in
 // {64, 80, 96, 128, 256} (v's D equal), Hq / Hk <= 16, block_size a power of two, 16-byte aligned
@@ -25,12 +25,10 @@ namespace tallow::cuda {
 // on the stream runs, reads q (and, unless settled_cache, the caches) and writes only after that
 // kernel completes, and rechecks any metadata it read early (see decode.cu). settled_cache: the
 // caller's promise of ops::paged_attention (cpp/ops/paged_attention.h) that no kernel still running
-// writes cache rows before each sequence's new tokens; those rows are then read before the wait. Tuning (environment, read per call):
-// TALLOW_DECODE_MIN_SPLIT (keys, default 256), TALLOW_DECODE_SPLITS (grid splits, default from
-// shapes), TALLOW_DECODE_STAGES (cp.async slots per warp, 1..4, default 3; 4 for
-// batches of <= SMs / 8 (token, kv head) rows over tables of 16k+ keys, 16-bit caches), TALLOW_DECODE_PDL
-// (0 off, 1 wait before any read, 2 metadata read early and verified, 3 also the next kernel's
-// launch right after the wait and, with settled_cache, early cache copies: default).
+// writes cache rows before each sequence's new tokens; those rows are then read before the wait.
+// Tuning (core/tuning.h, KernelTuning::decode_*, read per call): the minimum split in keys, the grid's
+// split count, cp.async slots per warp (1..4, default 3; 4 for batches of <= SMs / 8 (token, kv head)
+// rows over tables of 16k+ keys, 16-bit caches), PDL on / off, the prologue's fill.
 bool paged_decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc,
                             float scale, int64_t sliding_window, float softcap, float k_scale, float v_scale,

@@ -369,7 +369,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\ntallow: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug, not bad input: one line, traceback on request
-        if os.environ.get("TALLOW_DEBUG"):
+        from tallow import envs
+
+        if envs.TALLOW_DEBUG:
             raise
         print(f"tallow: internal error: {type(e).__name__}: {_one_line(e)} (TALLOW_DEBUG=1 shows the traceback)",
               file=sys.stderr)

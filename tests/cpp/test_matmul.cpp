@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "check.h"
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/tensor.h"
@@ -208,7 +209,24 @@ static void test_errors() {
     ops::matmul(dev, dev);
     CHECK(false);
   } catch (const ValueError& e) {
-    CHECK(std::string(e.what()).rfind("matmul: no kernel for device", 0) == 0);
+    // The op, the device, why (no backend registered an op table for Metal) and the shapes.
+    const std::string msg = e.what();
+    CHECK(msg.rfind("matmul: no kernel for device metal:0", 0) == 0);
+    CHECK(msg.find(find_backend(DeviceType::Metal) ? "registered no matmul" : "no backend registered") !=
+          std::string::npos);
+    CHECK(msg.find("shapes [2, 2], [2, 2]") != std::string::npos);
+  }
+  // A backend that registered a table without this op: the message names the backend and the op.
+  {
+    BackendOps partial;
+    partial.name = "metal";
+    register_backend(DeviceType::Metal, partial);
+    try {
+      ops::matmul(dev, dev);
+      CHECK(false);
+    } catch (const ValueError& e) {
+      CHECK(std::string(e.what()).find("the metal backend registered no matmul kernel") != std::string::npos);
+    }
   }
   CHECK_THROWS(ops::linear(dev, dev), ValueError);
   // Messages name the op and the shapes.

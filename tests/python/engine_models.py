@@ -128,8 +128,9 @@ def rel_l2(a, b) -> float:
 
 class FirstStepLogits:
     """Context manager recording the full logits row of each request's first sampled step from the
-    engine's model runner (`runner.execute(out, sample_reqs)` -> [n, vocab] numpy array or tallow
-    Tensor, on the host or the device); `rows` stays empty if the runner stops returning them."""
+    engine's model runner (`runner.forward_step(step)` -> (logits [n, vocab] tallow Tensor on the
+    device or None, the n sampling request states, prompt log-probs)); `rows` stays empty if the
+    runner stops returning them."""
 
     def __init__(self, llm):
         self.runner = llm.engine.runner
@@ -139,13 +140,13 @@ class FirstStepLogits:
     def __enter__(self):
         import numpy as np
 
-        self.orig = orig = self.runner.execute
+        self.orig = orig = self.runner.forward_step
 
         def capture(*args, **kwargs):
-            res = orig(*args, **kwargs)
-            reqs = kwargs.get("sample_reqs", args[1] if len(args) > 1 else None)
+            out = orig(*args, **kwargs)
+            res, reqs = out[0], out[1]
             if not reqs or all(r.num_output_tokens or r.request_id in self.rows for r in reqs):
-                return res  # no first step here: leave later steps unsynchronised
+                return out  # no first step here: leave later steps unsynchronised
             try:
                 if not isinstance(res, np.ndarray) and getattr(self.runner, "stream", None) is not None:
                     self.runner.stream.synchronize()  # the logits come from the runner's own stream
@@ -156,13 +157,13 @@ class FirstStepLogits:
                             self.rows[req.request_id] = np.array(row, dtype=np.float64)
             except Exception:  # not host logits: leave rows empty
                 pass
-            return res
+            return out
 
-        self.runner.execute = capture
+        self.runner.forward_step = capture
         return self
 
     def __exit__(self, *exc):
-        self.runner.execute = self.orig
+        self.runner.forward_step = self.orig
         return False
 
 

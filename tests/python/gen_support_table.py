@@ -22,8 +22,7 @@ def render() -> str:
 
     FAMILY_CASES = DENSE_CASES + MOE_CASES
 
-    from tallow.loader.config import _ARCH_FAMILY, _GGUF_FAMILY, SUPPORTED_FAMILIES
-    from tallow.models import supported_families
+    from tallow.models import registry, supported_families
 
     registered = set(supported_families())
     lines = [
@@ -42,18 +41,19 @@ def render() -> str:
         "| Family | Hugging Face architectures | safetensors | GGUF | Verified features | Examples |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for family in SUPPORTED_FAMILIES:
+    for family in registry.families():
+        cls = registry.model_class(family)
         cases = [c for c in FAMILY_CASES if c.family == family]
-        archs = ", ".join(f"`{a}`" for a, f in _ARCH_FAMILY.items() if f == family)
+        archs = ", ".join(f"`{a}`" for a in cls.hf_architectures)
         gguf_archs = sorted({c.gguf_arch for c in cases if c.gguf_arch})
-        known_gguf = sorted(a for a, f in _GGUF_FAMILY.items() if f == family)
+        known_gguf = sorted(cls.gguf_architectures)
         if family not in registered or not cases:
             lines.append(f"| {family} | {archs} | not yet | not yet | — | — |")
             continue
         if gguf_archs:
             gguf_cell = ", ".join(f"`{a}`" for a in gguf_archs) + " (F32, Q8_0)"
-        elif family == "mistral":
-            gguf_cell = "as `llama`"  # convert_hf_to_gguf writes Mistral checkpoints as llama
+        elif cls.gguf_written_as:
+            gguf_cell = f"as `{cls.gguf_written_as}`"  # e.g. convert_hf_to_gguf writes Mistral checkpoints as llama
         else:
             gguf_cell = ", ".join(f"`{a}` (untested)" for a in known_gguf) or "—"
         features = "; ".join(f"{c.features} (`{c.id}`)" for c in cases)

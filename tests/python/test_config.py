@@ -195,13 +195,15 @@ def test_family_specifics():
 
 
 def test_defaults_table_matches_transformers():
-    """The defaults used for keys a config.json leaves out are transformers' class defaults."""
+    """The defaults used for keys a config.json leaves out (each family file's config_defaults) are
+    transformers' class defaults, for every model_type transformers knows (a new family is checked too)."""
     tr = _transformers()
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig",
-               "ministral3": "Ministral3Config", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-               "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
-               "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "stablelm": "StableLmConfig",
-               "glm4": "Glm4Config"}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    multimodal = {"gemma3", "mistral3"}  # their defaults are those of the text config (gemma3_text, ...)
+    classes = {mt: CONFIG_MAPPING[mt].__name__ for mt in _DEFAULTS if mt in CONFIG_MAPPING and mt not in multimodal}
+    assert {"llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3",
+            "gemma2", "gemma3_text", "stablelm", "glm4"} <= set(classes)
     aliases = {"num_experts": ("num_experts", "num_local_experts"), "hidden_act": ("hidden_activation", "hidden_act"),
                "sliding_window_pattern": ("_sliding_window_pattern",)}
     checked = 0

@@ -30,8 +30,8 @@ def assert_clean(llm):
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not eng.scheduler.has_unfinished and not eng.scheduler.requests
-    assert not eng.groups and not eng._seq_of
-    assert not eng.sampler._rngs and not eng.sampler._penalty
+    assert not eng.groups and not eng.output_processor.seq_of
+    assert not eng.runner.requests and not eng.sampler._seeds and not eng.sampler._penalty
 
 
 OK = SamplingParams(temperature=0, max_tokens=3)

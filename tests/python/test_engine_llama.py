@@ -55,9 +55,9 @@ def test_mixed_steps_split_their_attention(llama_dir):
     runner, seen = llm.engine.runner, []
     orig = runner._fill
 
-    def spy(out, reqs):
-        r = orig(out, reqs)
-        seen.append((runner.num_decode_seqs, len(out.requests)))
+    def spy(step):
+        r = orig(step)
+        seen.append((runner.num_decode_seqs, len(step.req_ids)))
         return r
 
     runner._fill = spy

@@ -3,7 +3,8 @@ with the unknown tokens filled in on the device. It is the default on a GPU; her
 (async_scheduling=True, device-side sampling ops) so CI covers the bookkeeping: the same tokens as the
 synchronous engine under greedy decoding, stop strings/ids, max_tokens, min_tokens, n > 1, aborts,
 prefix caching, preemption and penalties, and every KV block back in the pool afterwards; with one,
-two and three launched steps left unread (TALLOW_OVERLAP_DEPTH)."""
+two and three launched steps left unread (TALLOW_OVERLAP_DEPTH) against the CPU default (none left
+unread: each step is read back as soon as it is launched)."""
 import numpy as np
 import pytest
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import tallow
 from tallow import LLM, SamplingParams
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_llamacpp.json"
@@ -85,20 +86,22 @@ def run(fixture):
     logprobs), capturing each request's full first-step logits row from the model runner."""
     llm = LLM(GGUF, dtype="float32")
     first: dict[str, np.ndarray] = {}
-    execute = llm.engine.runner.execute
+    forward_step = llm.engine.runner.forward_step
 
-    def capture(out, sample_reqs):
-        logits = execute(out, sample_reqs)
-        for req, row in zip(sample_reqs, logits):
-            if req.num_output_tokens == 0:
-                first[req.request_id] = np.array(row, dtype=np.float64)
-        return logits
+    def capture(step):
+        logits, states, plp = forward_step(step)
+        if states:
+            rows = np.asarray(logits.to(tallow.float32).numpy())
+            for st, row in zip(states, rows):
+                if st.num_output_tokens == 0:
+                    first[st.request_id] = np.array(row, dtype=np.float64)
+        return logits, states, plp
 
-    llm.engine.runner.execute = capture
+    llm.engine.runner.forward_step = capture
     prompts = fixture["prompts"]
     params = SamplingParams(temperature=0, max_tokens=fixture["n_new"], ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], params)
-    llm.engine.runner.execute = execute
+    llm.engine.runner.forward_step = forward_step
     return llm, outs, [first[o.request_id] for o in outs]
 
 

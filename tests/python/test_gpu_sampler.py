@@ -1,8 +1,9 @@
-"""GpuSampler (engine/gpu_sampler.py) against the numpy Sampler. The ops run on CPU tensors too, so
-these run everywhere; on a CUDA machine the same checks run on the device as well.
+"""The engine's sampler (worker/sampler.py: the device ops, on every device) against the numpy
+reference (reference_sampler.py). The ops run on CPU tensors too, so these run everywhere; on a CUDA
+machine the same checks run on the device as well.
 
-Greedy choices (with penalties and min_tokens masks) must equal Sampler's; seeded draws must not
-depend on the batch; logprobs must equal Sampler's (1e-5)."""
+Greedy choices (with penalties and min_tokens masks) must equal the reference's; seeded draws must
+not depend on the batch; logprobs must equal the reference's (1e-5)."""
 import itertools
 
 import numpy as np
@@ -10,9 +11,9 @@ import pytest
 
 import tallow
 from tallow import SamplingParams
-from tallow.engine.gpu_sampler import GpuSampler
+from reference_sampler import Sampler
 from tallow.engine.request import Request
-from tallow.engine.sampler import Sampler
+from tallow.worker.sampler import Sampler as GpuSampler
 
 _ids = itertools.count()
 

@@ -1,6 +1,6 @@
 """Mixed steps (decodes, then prefill chunks) run attention as two calls: the decode sequences
 through one paged_attention call (the split-KV decode kernel on CUDA) and the prefill chunks
-through another, with their query starts rebased to 0 (layers/attention.py, engine/step_inputs.py).
+through another, with their query starts rebased to 0 (layers/attention.py, worker/step_inputs.py).
 
 Checked: the split gives the same result as one call over the whole batch (bitwise on the CPU,
 where each sequence's result does not depend on its batch; within the bf16 bound of
@@ -13,7 +13,7 @@ import tallow
 import tallow.cuda as tc
 from backend_ops import relative_error
 from backend_ops.cases_paged_attention import make_batch, paged_ref
-from tallow.engine.step_inputs import StepInputs
+from tallow.worker.step_inputs import StepInputs
 from tallow.layers.attention import AttentionMetadata, PagedAttention
 
 # (seq_len, new tokens): four decodes (one of a 1-token sequence), then prefill chunks (one over a

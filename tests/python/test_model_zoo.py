@@ -431,16 +431,23 @@ def test_every_dense_family_is_registered_and_tested():
     assert {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "stablelm", "glm4"} <= tested
 
 
-def test_unsupported_family_lists_supported_ones(monkeypatch):
+def test_unsupported_family_lists_supported_ones():
     import tallow.models as models
-    from tallow.loader.config import ModelConfig
+    from tallow.config import ModelConfig
+    from tallow.models import registry
 
-    monkeypatch.delitem(models._REGISTRY, "llama")  # a family the config knows but no model file serves
     cfg = ModelConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8,
                                         hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                         num_attention_heads=1))
-    with pytest.raises(models.UnsupportedModelError, match=r"'llama'.*not supported.*supported: .*gemma2.*qwen3"):
-        models.build_model(cfg, {}, None)
+    llama = registry.model_class("llama")
+    registry.unregister("llama")  # a config parsed while its family was served, built after it is gone
+    try:
+        with pytest.raises(models.UnsupportedModelError, match=r"'llama'.*not supported.*supported: .*gemma2.*qwen3"):
+            models.build_model(cfg, {}, None)
+        with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'"):
+            ModelConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama"))
+    finally:
+        registry.register(llama)
 
 
 def test_support_table_is_current():

@@ -17,6 +17,62 @@ from backend_ops import relative_error
 from backend_ops.cases_attention import attention_ref
 from backend_ops.cases_paged_attention import gather_kv, make_batch, paged_ref, scatter_ref
 
+
+def test_kernel_tuning_api():
+    """The kernel tuning struct (cpp/core/tuning.h) as the decode tests use it: a dict of every field,
+    set_kernel_tuning returning the previous values, the context manager restoring them, and errors
+    that name the field (unknown names and bad values change nothing)."""
+    before = ops.kernel_tuning()
+    assert set(ops.kernel_tuning_fields()) == set(before)
+    for name in ("decode_splits", "decode_min_split", "decode_stages", "decode_pdl", "decode_fill",
+                 "decode_min_split_rows_lo", "decode_min_split_rows_hi", "rope_warp", "rope_rows",
+                 "skinny_max_m", "gemv_config", "gemv_autotune", "num_threads", "cpu_cache_mb", "gemm_isa"):
+        assert name in before, name
+    assert ops.kernel_tuning_fields()["decode_splits"][0] == "TALLOW_DECODE_SPLITS"
+    prev = ops.set_kernel_tuning(decode_splits=7, decode_pdl=False)
+    assert prev == {"decode_splits": before["decode_splits"], "decode_pdl": before["decode_pdl"]}
+    assert ops.kernel_tuning()["decode_splits"] == 7 and ops.kernel_tuning()["decode_pdl"] is False
+    ops.set_kernel_tuning(**prev)
+    assert ops.kernel_tuning() == before
+    with ops.kernel_tuning_override(decode_stages=2, rope_rows=4):
+        assert ops.kernel_tuning()["decode_stages"] == 2 and ops.kernel_tuning()["rope_rows"] == 4
+    assert ops.kernel_tuning() == before
+    with pytest.raises(ValueError, match="no field 'decode_split'"):
+        ops.set_kernel_tuning(decode_splits=3, decode_split=3)
+    with pytest.raises(ValueError, match="decode_stages=9 is out of range"):
+        ops.set_kernel_tuning(decode_splits=3, decode_stages=9)
+    with pytest.raises(ValueError, match="rope_rows=3"):
+        ops.set_kernel_tuning(rope_rows=3)
+    with pytest.raises(TypeError, match="decode_pdl takes a bool"):
+        ops.set_kernel_tuning(decode_pdl=1)
+    with pytest.raises(TypeError, match="decode_splits takes a bool, int or str"):
+        ops.set_kernel_tuning(decode_splits=1.5)
+    assert ops.kernel_tuning() == before
+
+
+def test_kernel_tuning_reads_the_environment_at_import():
+    """Each field's variable is read once, when tallow._core is imported (a new process here)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TALLOW_DECODE_SPLITS="5", TALLOW_DECODE_MIN_SPLIT_ROWS="3,9", TALLOW_DECODE_PDL="0",
+               TALLOW_DECODE_FILL="1", TALLOW_ROPE_WARP="0", TALLOW_ROPE_ROWS="3", TALLOW_SKINNY_MAX_M="40")
+    code = ("import tallow.ops as o; t = o.kernel_tuning(); print(t['decode_splits'], t['decode_min_split_rows_lo'], "
+            "t['decode_min_split_rows_hi'], t['decode_pdl'], t['decode_fill'], t['rope_warp'], t['rope_rows'], "
+            "t['skinny_max_m'])")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["5", "3", "9", "False", "1", "False", "0", "16"]
+
+
+@pytest.fixture
+def tuning():
+    """set(**fields) of the kernel tuning struct (cpp/core/tuning.h) for this test: every field is
+    restored at its end."""
+    saved = ops.kernel_tuning()
+    yield ops.set_kernel_tuning
+    ops.set_kernel_tuning(**saved)
+
 FLOATS = ("float32", "float16", "bfloat16")
 TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
 TOL_VS_ATTENTION = TOL
@@ -489,10 +545,10 @@ def test_cuda_decode_long_single_sequence(rng):
 
 @needs_cuda
 @pytest.mark.parametrize("splits", ["1", "3", "256"])
-def test_cuda_decode_forced_split_counts(rng, monkeypatch, splits):
-    """Any split count gives the same result within the bound (TALLOW_DECODE_SPLITS forces it)."""
-    monkeypatch.setenv("TALLOW_DECODE_SPLITS", splits)
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
+def test_cuda_decode_forced_split_counts(rng, tuning, splits):
+    """Any split count gives the same result within the bound (the decode_splits tuning field forces it)."""
+    tuning(decode_splits=int(splits))
+    tuning(decode_min_split=16)
     compare_decode(rng, rng.integers(1, 5000, size=4), 16, 4, 128, 16, "bfloat16")
 
 
@@ -629,21 +685,21 @@ def raw(t):
 @needs_cuda
 @pytest.mark.parametrize("hq,hk", [(16, 1), (32, 8), (16, 16), (32, 2)])  # groups 16, 4, 1, 16
 @pytest.mark.parametrize("splits", ["64", "256"])
-def test_cuda_decode_fused_merge_many_splits(rng, monkeypatch, hq, hk, splits):
+def test_cuda_decode_fused_merge_many_splits(rng, tuning, hq, hk, splits):
     """Many splits per sequence (min split 16 keys): the merge of up to 256 partials per head, for
     group sizes whose merge takes a thread per column (16) or groups of threads (1, 4)."""
-    monkeypatch.setenv("TALLOW_DECODE_SPLITS", splits)
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
+    tuning(decode_splits=int(splits))
+    tuning(decode_min_split=16)
     lens = np.array([4100, 1, 17, 700, 2500, 16 * int(splits)])
     compare_decode(rng, lens, hq, hk, 128, 16, "bfloat16")
     compare_decode(rng, lens, hq, hk, 128, 16, "float16", FP8, scales=(0.05, 0.04))
 
 
 @needs_cuda
-def test_cuda_decode_repeated_launches_reset_counters(rng, monkeypatch):
+def test_cuda_decode_repeated_launches_reset_counters(rng, tuning):
     """Back-to-back launches whose split counts change per sequence and per call: each merges once,
     every result right and bitwise equal to the same call made again."""
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "32")
+    tuning(decode_min_split=32)
     dev, ref = decode_case(rng, [3000, 40, 1200, 9], 32, 8, 128, 16, "bfloat16", pad_cols=64)
     outs = {}
     for it in range(12):
@@ -661,11 +717,11 @@ def test_cuda_decode_repeated_launches_reset_counters(rng, monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_decode_graph_replays_many_splits(rng, monkeypatch, fp8):
+def test_cuda_decode_graph_replays_many_splits(rng, tuning, fp8):
     """A captured step with several decode launches (as a model's layers), replayed many times while
     lengths change so that sequences go from one split to many and back: every replay matches the
     CPU op, and replays of the same lengths are bitwise equal (counters reset by every launch)."""
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "64")
+    tuning(decode_min_split=64)
     base = np.array([3, 200, 17, 2900, 64, 1000], np.int32)
     scales = (0.04, 0.06) if fp8 else (1.0, 1.0)
     dev, ref = decode_case(rng, base + 1200, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, pad_cols=256,
@@ -699,13 +755,13 @@ def test_cuda_decode_graph_replays_many_splits(rng, monkeypatch, fp8):
 
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
+def test_cuda_decode_short_contexts_one_split(rng, tuning, fp8):
     """Contexts up to the minimum split length (pinned here at 256 keys; by default a launch with few
     (token, kv head) rows splits from 64 keys, one with as many rows as SMs from 2048) run as one split per sequence
     (no partials, output written directly) although the grid, planned for tables padded to 4096+
     tokens as in a captured step, has many: bitwise the result of a one-split grid. Forcing 16-key
     splits gives the same values within the bound."""
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "256")
+    tuning(decode_min_split=256)
     lens = np.array([1, 2, 15, 16, 17, 100, 130, 255, 256])
     scales = (0.05, 0.05) if fp8 else (1.0, 1.0)
     dev, ref = decode_case(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, pad_cols=256, scales=scales)
@@ -713,19 +769,19 @@ def test_cuda_decode_short_contexts_one_split(rng, monkeypatch, fp8):
     one = run_case(dev, 0.09, **kw)
     expect = run_case(ref, 0.09, **kw)
     check_cuda(one, expect, "bfloat16", "one split each")
-    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "1")
+    tuning(decode_splits=1)
     np.testing.assert_array_equal(raw(run_case(dev, 0.09, **kw)), raw(one))
-    monkeypatch.delenv("TALLOW_DECODE_SPLITS")
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "16")
+    tuning(decode_splits=0)
+    tuning(decode_min_split=16)
     check_cuda(run_case(dev, 0.09, **kw), expect, "bfloat16", "split into 16-key pieces")
 
 
 @needs_cuda
-def test_cuda_decode_many_rows_split_from_2048_keys(rng, monkeypatch):
+def test_cuda_decode_many_rows_split_from_2048_keys(rng, tuning):
     """A launch with at least one (token, kv head) row an SM (here 40 sequences x 8 kv heads) splits a
     sequence only past 2048 keys: contexts up to 2048 give bitwise the one-split grid's result, longer
     ones (split and merged) the reference's within the bound. A forced minimum split
-    (TALLOW_DECODE_MIN_SPLIT) applies only within TALLOW_DECODE_MIN_SPLIT_ROWS=lo,hi row counts."""
+    (decode_min_split) applies only within decode_min_split_rows_lo <= rows < decode_min_split_rows_hi."""
     if tc.get_device_properties()["multi_processor_count"] > 320:
         pytest.skip("more SMs than this case's 320 rows: the few-rows rule would apply")
     lens = np.concatenate([rng.integers(1, 2049, size=30), rng.integers(2049, 5000, size=10)])
@@ -734,49 +790,46 @@ def test_cuda_decode_many_rows_split_from_2048_keys(rng, monkeypatch):
     got = run_case(dev, 0.09)
     check_cuda(got, expect, "bfloat16", "many rows, default split rule")
     short = np.flatnonzero(lens <= 2048)
-    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "1")
+    tuning(decode_splits=1)
     one = raw(run_case(dev, 0.09))
     np.testing.assert_array_equal(raw(got)[short], one[short])
-    monkeypatch.delenv("TALLOW_DECODE_SPLITS")
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", "64")  # every row count: many short splits
+    tuning(decode_splits=0)
+    tuning(decode_min_split=64)  # every row count: many short splits
     forced = run_case(dev, 0.09)
     check_cuda(forced, expect, "bfloat16", "forced 64-key splits")
     assert not np.array_equal(raw(forced), raw(got)), "64-key splits should round differently"
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT_ROWS", "0,100")  # 320 rows: outside, the default rule
+    tuning(decode_min_split_rows_lo=0, decode_min_split_rows_hi=100)  # 320 rows: outside, the default rule
     np.testing.assert_array_equal(raw(run_case(dev, 0.09)), raw(got))
-    monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT_ROWS", "300,400")
+    tuning(decode_min_split_rows_lo=300, decode_min_split_rows_hi=400)
     np.testing.assert_array_equal(raw(run_case(dev, 0.09)), raw(forced))
 
 
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
-    """Pipeline depth (TALLOW_DECODE_STAGES), PDL mode (TALLOW_DECODE_PDL), settled_cache (early cache
-    copies) and whether the prologue fills every slot (TALLOW_DECODE_FILL) change timing only: the result
-    is bitwise the same; the split length changes the rounding only (within the bound).
-    The grid's split count is pinned: the default one follows occupancy, which the depth changes."""
-    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "8")
+def test_cuda_decode_tuning_knobs_do_not_change_results(rng, tuning, fp8):
+    """Pipeline depth (decode_stages), PDL on or off (decode_pdl: off is the launch of pre-sm_90
+    devices), settled_cache (early cache copies) and whether the prologue fills every slot
+    (decode_fill) change timing only: the result is bitwise the same; the split length changes the
+    rounding only (within the bound). The grid's split count is pinned: the default one follows
+    occupancy, which the depth changes."""
+    tuning(decode_splits=8)
     lens = rng.integers(1, 6000, size=9)
     scales = (0.03, 0.07) if fp8 else (1.0, 1.0)
     dev, ref = decode_case(rng, lens, 32, 8, 128, 16, "bfloat16", FP8 if fp8 else None, scales=scales)
     kw = dict(k_scale=scales[0], v_scale=scales[1])
     expect = run_case(ref, 0.09, **kw)
     base = raw(run_case(dev, 0.09, **kw))
-    for stages in ("1", "2", "3", "4"):
-        for pdl in ("0", "1", "2", "3"):
-            monkeypatch.setenv("TALLOW_DECODE_STAGES", stages)
-            monkeypatch.setenv("TALLOW_DECODE_PDL", pdl)
+    for stages in (1, 2, 3, 4):
+        for pdl in (False, True):
+            tuning(decode_stages=stages, decode_pdl=pdl)
             for settled in (False, True):
-                for fill in ("0", "1"):
-                    monkeypatch.setenv("TALLOW_DECODE_FILL", fill)
+                for fill in (0, 1):
+                    tuning(decode_fill=fill)
                     np.testing.assert_array_equal(raw(run_case(dev, 0.09, settled_cache=settled, **kw)), base,
                                                   err_msg=f"stages {stages} pdl {pdl} settled {settled} fill {fill}")
-    monkeypatch.delenv("TALLOW_DECODE_STAGES")
-    monkeypatch.delenv("TALLOW_DECODE_PDL")
-    monkeypatch.delenv("TALLOW_DECODE_FILL")
-    monkeypatch.delenv("TALLOW_DECODE_SPLITS")
-    for min_split in ("16", "128", "512", "4096"):
-        monkeypatch.setenv("TALLOW_DECODE_MIN_SPLIT", min_split)
+    tuning(decode_stages=0, decode_pdl=True, decode_fill=-1, decode_splits=0)
+    for min_split in (16, 128, 512, 4096):
+        tuning(decode_min_split=min_split)
         check_cuda(run_case(dev, 0.09, **kw), expect, "bfloat16", f"min split {min_split}")
 
 
@@ -784,22 +837,21 @@ def test_cuda_decode_tuning_knobs_do_not_change_results(rng, monkeypatch, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("hq,hk,d", [(8, 8, 128), (16, 8, 128), (12, 4, 80), (32, 8, 128), (14, 2, 64),
                                      (64, 8, 256), (24, 2, 96)])
-def test_cuda_decode_narrow_and_wide_kernels(rng, monkeypatch, fp8, hq, hk, d):
-    """Groups of <= 8 query heads run the narrow kernel (S^T = K Q^T, O^T = V^T P^T); TALLOW_DECODE_NARROW=0
-    runs the wide one (groups as the mma's 16 rows). Both match the CPU op within the bound, with a
-    window and soft-capping too, and each other within the same bound."""
+def test_cuda_decode_narrow_and_wide_kernels(rng, tuning, fp8, hq, hk, d):
+    """Groups of <= 8 query heads run the narrow kernel (S^T = K Q^T, O^T = V^T P^T), larger groups the
+    wide one (groups as the mma's 16 rows; the switch that sent small groups there too was removed).
+    Both match the CPU op within the bound, with a window and soft-capping too, with a planned and a
+    forced split count (the merge)."""
     lens = np.concatenate([[1, 17, 4097], rng.integers(1, 6000, size=5)])
     scales = (0.04, 0.06) if fp8 else (1.0, 1.0)
     dev, ref = decode_case(rng, lens, hq, hk, d, 16, "bfloat16", FP8 if fp8 else None, scales=scales)
     for window, softcap in ((0, 0.0), (700, 20.0)):
         kw = dict(k_scale=scales[0], v_scale=scales[1], sliding_window=window, softcap=softcap)
         expect = run_case(ref, d**-0.5, **kw)
-        outs = {}
-        for narrow in ("1", "0"):
-            monkeypatch.setenv("TALLOW_DECODE_NARROW", narrow)
-            outs[narrow] = run_case(dev, d**-0.5, **kw)
-            check_cuda(outs[narrow], expect, "bfloat16", f"narrow={narrow} window={window} softcap={softcap}")
-        check_cuda(outs["1"], outs["0"].to("cpu").to("float32"), "bfloat16", "narrow vs wide")
+        for splits in (0, 16):
+            tuning(decode_splits=splits)
+            check_cuda(run_case(dev, d**-0.5, **kw), expect, "bfloat16",
+                       f"group {hq // hk} splits {splits} window={window} softcap={softcap}")
 
 
 @needs_cuda

@@ -376,10 +376,10 @@ def test_cuda_fp8_decode_bf16_q_rows_of_any_magnitude(rng, d):
 
 @needs_cuda
 @pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
-def test_cuda_fp8_decode_long_and_split(rng, monkeypatch, q_dtype):
+def test_cuda_fp8_decode_long_and_split(rng, q_dtype):
     """Long fp8 contexts split many ways (the fused merge applies v_scale once) and as few ways as
-    the kernel allows (TALLOW_DECODE_SPLITS=1: 20000 keys still need two splits)."""
+    the kernel allows (decode_splits=1: 20000 keys still need two splits)."""
     seqs = [(20000, 1), (5000, 1), (300, 1)]
     _cuda_vs_cpu_fp8(rng, seqs, 16, 2, 128, 16, q_dtype, (0.02, 0.05))
-    monkeypatch.setenv("TALLOW_DECODE_SPLITS", "1")
-    _cuda_vs_cpu_fp8(rng, seqs, 16, 2, 128, 16, q_dtype, (0.02, 0.05))
+    with ops.kernel_tuning_override(decode_splits=1):
+        _cuda_vs_cpu_fp8(rng, seqs, 16, 2, 128, 16, q_dtype, (0.02, 0.05))

@@ -205,21 +205,20 @@ def exact_cases():
 @needs_cuda
 @pytest.mark.parametrize("kernel", ["warp", "warp-rows2", "warp-rows4", "block"])
 @pytest.mark.parametrize("name,dtype", exact_cases())
-def test_cuda_bit_exact(name, dtype, kernel, rng, monkeypatch):
+def test_cuda_bit_exact(name, dtype, kernel, rng):
     """The fused kernels' claim (cuda/rope_cache.cu): the same f32 operations in the same order as
     the composition, so the same bits. A failure here with test_matches_composition passing means
     the compiler contracted rope.cu's a*c - b*s differently from what the kernel pins. Every kernel:
     the warp kernel (the default where its layout holds) with one, two and four rows a lane
-    (TALLOW_ROPE_ROWS; a token's last warp then has row slots past its rows), and the block kernel
-    (TALLOW_ROPE_WARP=0, and the layouts the warp kernel does not take)."""
-    monkeypatch.setenv("TALLOW_ROPE_WARP", "0" if kernel == "block" else "1")
-    if kernel.startswith("warp-rows"):
-        monkeypatch.setenv("TALLOW_ROPE_ROWS", kernel[-1])
+    (the rope_rows tuning field; a token's last warp then has row slots past its rows), and the block
+    kernel (rope_warp=False, and the layouts the warp kernel does not take)."""
+    rows = int(kernel[-1]) if kernel.startswith("warp-rows") else 0
     sc = SCENARIOS[name]
-    for T in (1, 37, 300):
-        got, want, _ = both(rng, sc, dtype, T, "cuda")
-        for key in got:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} T={T} {key}")
+    with ops.kernel_tuning_override(rope_warp=kernel != "block", rope_rows=rows):
+        for T in (1, 37, 300):
+            got, want, _ = both(rng, sc, dtype, T, "cuda")
+            for key in got:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} T={T} {key}")
 
 
 @needs_cuda

@@ -24,7 +24,7 @@ import pytest
 
 from tallow import SamplingParams
 from tallow.engine.request import Request
-from tallow.engine.sampler import Sampler
+from reference_sampler import Sampler
 
 Z_1E6 = 4.753424  # standard normal quantile at 1 - 1e-6
 DELTA = 1e-6
@@ -519,7 +519,7 @@ def assert_pool_free(llm):
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not llm.engine.scheduler.has_unfinished and not llm.engine.groups
-    assert not llm.engine.sampler._rngs and not llm.engine.sampler._penalty
+    assert not llm.engine.sampler._seeds and not llm.engine.sampler._penalty and not llm.engine.runner.requests
 
 
 def ids_of(prompt):
@@ -765,11 +765,11 @@ def test_engine_n_completions_share_prompt_blocks(llama):
     llm = LLM(str(path), prefix_cache=False, block_size=16)
     eng = llm.engine
     rid = eng.add_request(ids_of(p), SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=5, ignore_eos=True))
-    seqs = eng.groups[rid].seqs
+    seqs = [eng.scheduler.requests[s.req_id] for s in eng.groups[rid].seqs]
     outs = []
-    while not all(s.req.num_output_tokens >= 1 for s in seqs):
+    while not all(s.num_output_tokens >= 1 for s in seqs):
         outs += eng.step()
-    tables = [eng.kv.block_ids(s.req) for s in seqs]
+    tables = [eng.kv.block_ids(s) for s in seqs]
     assert tables[0][:4] == tables[1][:4] == tables[2][:4]  # the prompt's full blocks, shared
     assert len({t[4] for t in tables}) == 3  # each completion has its own partial block
     assert eng.kv.pool.num_blocks - eng.kv.num_free_blocks == 4 + 3

@@ -152,10 +152,9 @@ def test_prefix_cache_computes_shared_system_prompt_once():
     run_to_end(s)
 
 
-def test_decode_batch_longest_context_first(monkeypatch):
+def test_decode_batch_longest_context_first():
     """The engine orders a decode-only step's batch by context length, longest first (the attention
-    grid then runs the longest CTAs first); a step with a prefill chunk keeps the scheduler's order, and
-    TALLOW_DECODE_ORDER=fcfs (read at import as _LONGEST_FIRST) keeps it always."""
+    grid then runs the longest CTAs first); a step with a prefill chunk keeps the scheduler's order."""
     from tallow.engine import engine as E
 
     s = make(num_blocks=64, max_num_batched_tokens=256)
@@ -166,32 +165,70 @@ def test_decode_batch_longest_context_first(monkeypatch):
     out = s.schedule()
     assert all(out.num_scheduled_tokens[r.request_id] == 1 for r in out.requests)
     fcfs = [r.request_id for r in out.requests]
-    monkeypatch.setattr(E, "_LONGEST_FIRST", True)
     E._order_decode_batch(out)
     assert [r.request_id for r in out.requests] == ["b", "d", "c", "a"]
     assert [r.num_tokens for r in out.requests] == sorted((r.num_tokens for r in out.requests), reverse=True)
-    monkeypatch.setattr(E, "_LONGEST_FIRST", False)
-    out.requests.sort(key=lambda r: fcfs.index(r.request_id))
-    E._order_decode_batch(out)
-    assert [r.request_id for r in out.requests] == fcfs
     # a step with a prefill chunk in it is left in the scheduler's order
-    monkeypatch.setattr(E, "_LONGEST_FIRST", True)
+    out.requests.sort(key=lambda r: fcfs.index(r.request_id))
     out.num_scheduled_tokens[out.requests[0].request_id] = 3
     E._order_decode_batch(out)
     assert [r.request_id for r in out.requests] == fcfs
 
 
 def test_overlap_depth_setting(monkeypatch, caplog):
-    """TALLOW_OVERLAP_DEPTH: launched steps left unread (default 2, at least 1); a value that is not a
-    whole number falls back to 2 with a warning naming the variable."""
+    """TALLOW_OVERLAP_DEPTH (tallow/envs.py): launched steps left unread (default 2, at least 1); a
+    value that is not a whole number falls back to 2 with a warning naming the variable."""
     from tallow.engine import engine as E
 
     for raw, want in (("", 2), ("1", 1), ("3", 3), ("0", 1), ("-4", 1)):
         monkeypatch.setenv("TALLOW_OVERLAP_DEPTH", raw)
-        assert E._overlap_depth() == want, raw
+        assert E.overlap_depth() == want, raw
     monkeypatch.delenv("TALLOW_OVERLAP_DEPTH")
-    assert E._overlap_depth() == 2
+    assert E.overlap_depth() == 2
     monkeypatch.setenv("TALLOW_OVERLAP_DEPTH", "two")
-    with caplog.at_level("WARNING", logger="tallow.engine"):
-        assert E._overlap_depth() == 2
+    with caplog.at_level("WARNING", logger="tallow"):
+        assert E.overlap_depth() == 2
     assert "TALLOW_OVERLAP_DEPTH" in caplog.text and "'two'" in caplog.text
+
+
+def test_step_data_sends_new_requests_once_then_only_changes():
+    """The plain-data step (engine/step_data.py): a request goes to the worker whole once (prompt,
+    parameters, blocks, cached prefix); afterwards only the block ids added since; finished and
+    preempted requests are handled as the worker needs (finished: listed once; preempted: sent whole
+    again when rescheduled). Every message pickles."""
+    import pickle
+
+    s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    a, b = req("a", 6, max_tokens=8), req("b", 3, max_tokens=8, base=50)
+    s.add_request(a)
+    s.add_request(b)
+
+    def next_step():
+        out = s.schedule()
+        sample = [r for r in out.requests if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+                  >= r.num_tokens]
+        msg = s.step_data(out, len(sample))
+        assert pickle.loads(pickle.dumps(msg)) == msg
+        for r in s.after_step(out):
+            r.append_token(7)
+        return msg
+
+    m = next_step()
+    assert m.req_ids == ["a", "b"] and m.num_scheduled_tokens == [6, 3] and m.num_sampled == 2
+    assert [(n.req_id, n.prompt_token_ids, n.block_ids, n.num_computed_tokens) for n in m.new_reqs] == [
+        ("a", list(range(6)), [0, 1], 0), ("b", [50, 51, 52], [2], 0)]
+    assert not m.new_block_ids and not m.finished_req_ids
+    m = next_step()  # a: 7 tokens, fits its 2 blocks; b: 4 tokens, fits its block
+    assert m.req_ids == ["a", "b"] and m.num_scheduled_tokens == [1, 1] and not m.new_reqs and not m.new_block_ids
+    m = next_step()  # a: 8 tokens (its 2 blocks), b: 5 tokens -> a new block for b
+    assert not m.new_reqs and m.new_block_ids == {"b": s.kv.block_ids(b)[1:]}
+    s.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    m = next_step()
+    assert m.req_ids == ["b"] and m.finished_req_ids == ["a"]
+    m = next_step()
+    assert not m.finished_req_ids  # listed once
+    # a preempted request comes back whole, with the tokens generated so far
+    s._preempt(b, [])
+    m = next_step()
+    assert [n.req_id for n in m.new_reqs] == ["b"] and m.new_reqs[0].output_token_ids == [7] * 5
+    assert m.new_reqs[0].block_ids == s.kv.block_ids(b)

@@ -53,6 +53,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from tallow.engine.errors import EngineDeadError, EngineStepError
 from tallow.engine.outputs import RequestOutput
 
 log = logging.getLogger("tallow.engine")
@@ -64,14 +65,6 @@ __all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineStepError"]
 # when this interval has passed (kernels hold it while they run): with 5 ms, streamed tokens arrive in
 # bursts and the loop falls behind (see the figures above).
 GIL_SWITCH_INTERVAL = 1e-4
-
-
-class EngineDeadError(RuntimeError):
-    """The engine has shut down, or its step thread died; no request can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """A model step failed; the requests in the engine at that time were aborted."""
 
 
 class RequestStream:

@@ -45,6 +45,11 @@ class Request:
         # of the step that sampled it; awaiting_final marks a request that reached its length limit
         # with that token, so it gets no further step while the token is on its way.
         self.awaiting_final = False
+        # What the worker holds of this request (scheduler.step_data): the number of its block ids,
+        # -1 when it holds none of this admission (new, or preempted since); held_by_worker stays set
+        # from the first step on, so the worker hears when the request finishes.
+        self.worker_blocks = -1
+        self.held_by_worker = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Optional
 
 from tallow.engine.kv_cache_manager import KVCacheManager
 from tallow.engine.request import Request, RequestStatus
+from tallow.engine.step_data import NewRequestData, StepData
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # requests the worker holds that finished since the last step
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -60,6 +62,8 @@ class Scheduler:
         if req.is_finished:
             return
         req.status = status
+        if req.held_by_worker:
+            self._finished_ids.append(req.request_id)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -93,6 +97,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        victim.worker_blocks = -1  # scheduled again, it goes to the worker as a new request
         self.waiting.appendleft(victim)
         preempted.append(victim)
 
@@ -151,6 +156,38 @@ class Scheduler:
             budget -= n
 
         return SchedulerOutput(scheduled, order, preempted)
+
+    def step_data(self, out: SchedulerOutput, num_sampled: int) -> StepData:
+        """The plain-data message of a scheduled step (step_data.py): new requests in full, for the
+        others only the block ids added since the worker last heard of them, and the finished ones.
+        Call it once per scheduled step, in order (it records what the worker now holds)."""
+        kv_ids = self.kv.req_block_ids
+        sched = out.num_scheduled_tokens
+        req_ids, nums, new, new_blocks = [], [], [], {}
+        for req in out.requests:
+            rid = req.request_id
+            req_ids.append(rid)
+            nums.append(sched[rid])
+            ids = kv_ids[rid]
+            sent = req.worker_blocks
+            if sent < 0:
+                new.append(NewRequestData(rid, req.prompt_token_ids, list(req.output_token_ids), req.params,
+                                          list(ids), req.num_computed_tokens))
+                req.worker_blocks = len(ids)
+                req.held_by_worker = True
+            elif len(ids) > sent:
+                new_blocks[rid] = ids[sent:]
+                req.worker_blocks = len(ids)
+        return StepData(req_ids, nums, new, new_blocks, self.take_finished_ids(), num_sampled)
+
+    @property
+    def has_finished_ids(self) -> bool:
+        return bool(self._finished_ids)
+
+    def take_finished_ids(self) -> list[str]:
+        """Ids of the requests the worker holds that finished since the last call (once each)."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
 
     @staticmethod
     def _parent_prefilled(parent: Request) -> bool:

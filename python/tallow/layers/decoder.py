@@ -8,64 +8,44 @@
     logits = lm_head(norm(h))             [cap * tanh(logits / cap)]      Gemma 2 (final soft-capping)
 
 The residual stream is carried as (delta, residual) so an RMSNorm adds and normalises in one kernel.
-Weights are looked up under Hugging Face names (GGUF files arrive renamed by the loader); a multimodal
-checkpoint's language model is found under its prefixes (layers/names.py).
+
+The model is built EMPTY from its config (every parameter allocated on the target device, in the model's
+dtype or, through its layer's quantization method, in its stored block type), then weights stream in:
+`load_weights(iterable of (name, tensor))` maps each checkpoint name (Hugging Face names; GGUF files
+arrive renamed by the loader; a multimodal checkpoint's language model under its prefixes,
+layers/names.py) to the layer that declared it, whose weight loader copies it (its shard) in place.
 """
 from __future__ import annotations
 
 import math
-import os
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
 import tallow
 from tallow import ops
+from tallow.config import FamilyConfig, ModelConfig, RopeConfig
 from tallow.layers.attention import AttentionMetadata
+from tallow.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from tallow.layers.mlp import GatedMLP
-from tallow.layers.names import require, text_weights
-from tallow.layers.norm import RMSNorm, make_norm
+from tallow.layers.module import modules
+from tallow.layers.names import MissingWeightError, text_name
+from tallow.layers.norm import make_norm
 from tallow.layers.rotary import build_cos_sin_cache, llama4_attn_scale
 from tallow.layers.self_attention import SelfAttention, StepContext
-from tallow.layers.weights import as_dtype
-from tallow.loader.config import ModelConfig, RopeConfig
 
-
-# With TALLOW_IN_PLACE_DECODE=1, steps of at most this many tokens (decode) carry the residual stream as
-# one tensor updated in place (DecoderLayer.in_place): norms folded into the next projection, adds into
-# the previous one (ops.rms_norm_linear takes up to 8 rows in one GEMV on CUDA). Opt-in: on an H100 the
-# Llama-3-8B batch-1 decode ran at 149 tok/s with it and 162 without (every CTA of a multi-wave GEMV
-# pays the norm's reduction before streaming weights).
-IN_PLACE_MAX_TOKENS = 8
-
-
-def _in_place_enabled() -> bool:
-    return os.environ.get("TALLOW_IN_PLACE_DECODE", "0") == "1"
+# checkpoint tensors no parameter takes (buffers old transformers saved; GGUF tensors the config read)
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", "rope_freqs.weight", "rope_factors_long.weight",
+                     "rope_factors_short.weight")
 
 
 class DecoderLayer:
-    def __init__(self, attn: SelfAttention, mlp: GatedMLP, attn_norm, mlp_norm=None, attn_post_norm=None,
+    def __init__(self, attn: SelfAttention, mlp, attn_norm, mlp_norm=None, attn_post_norm=None,
                  mlp_post_norm=None, parallel_residual: bool = False):
         self.attn, self.mlp = attn, mlp
         self.attn_norm, self.mlp_norm = attn_norm, mlp_norm
         self.attn_post_norm, self.mlp_post_norm = attn_post_norm, mlp_post_norm
         self.parallel_residual = parallel_residual
-
-    @property
-    def in_place_ok(self) -> bool:
-        """Whether in_place() applies: RMSNorm pre-norms, a dense gated MLP, no post norms or parallel
-        residual."""
-        return (isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
-                and isinstance(self.mlp, GatedMLP) and self.attn_post_norm is None and self.mlp_post_norm is None
-                and not self.parallel_residual)
-
-    def in_place(self, h, kv_cache, ctx: StepContext):
-        """h += attn(attn_norm(h)); h += mlp(mlp_norm(h)), updating the stream h in place, with each
-        norm folded into the projection after it and each add into the one before it (decode steps
-        on CUDA: one GEMV each, no norm or add kernels). The same values as __call__'s stream."""
-        self.attn(h, kv_cache, ctx, norm=self.attn_norm, residual=h)
-        self.mlp(h, norm=self.mlp_norm, residual=h)
-        return h
 
     def __call__(self, h, residual, kv_cache, ctx: StepContext):
         """(delta, residual) in -> (delta, residual) out; the stream's value is residual + delta.
@@ -98,8 +78,9 @@ class RopeCaches:
     cached before a sequence crosses that length keep their short-factor rotation; transformers
     instead recomputes the whole sequence at the crossing.)"""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: str = "cpu"):
         self.max_positions = int(max_positions)
+        self.device = device
         self.rotary_dim = cfg.rotary_dim
         self.caches: list[tallow.Tensor] = []
         self.long_after: list[Optional[int]] = []  # per cache: LongRoPE's original context, when switching
@@ -118,7 +99,8 @@ class RopeCaches:
             else:
                 table = build_cos_sin_cache(rope, self.rotary_dim, n)
             i = self._index[rope] = len(self.caches)
-            self.caches.append(tallow.from_numpy(np.ascontiguousarray(table)))
+            cache = tallow.from_numpy(np.ascontiguousarray(table))
+            self.caches.append(cache if self.device == "cpu" else cache.to(self.device))
             self.long_after.append(orig if switching else None)
         return i
 
@@ -143,9 +125,10 @@ def _host(t: tallow.Tensor) -> np.ndarray:
     return np.asarray((t if t.device == "cpu" else t.to("cpu")).numpy())
 
 
-class DecoderForCausalLM:
+class DecoderForCausalLM(FamilyConfig):
     """Base of the dense model files. Subclasses set the class attributes below (Hugging Face norm names
-    under model.layers.N.; None where the family has no such norm) and may override `qk_norm_kind`."""
+    under model.layers.N.; None where the family has no such norm), the family's FamilyConfig attributes
+    (names, defaults, GGUF tensor names: tallow/config.py) and may override `qk_norm_kind` / `make_mlp`."""
 
     attn_norm = "input_layernorm"
     attn_post_norm: Optional[str] = None
@@ -154,34 +137,39 @@ class DecoderForCausalLM:
     gemma_norms = False  # RMSNorms multiply by (1 + w)
     embed_scale = False  # embeddings * sqrt(hidden_size)
 
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype=tallow.float32, max_positions: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, dtype=tallow.float32, max_positions: Optional[int] = None, *,
+                 device: str = "cpu", quant_config=None, tp_rank: int = 0, tp_size: int = 1):
         self.cfg = cfg
         self.dtype = dtype
-        w = text_weights(weights)
-        embed = require(w, "model.embed_tokens.weight")
-        # Quantized token tables stay quantized: the embedding op dequantizes the rows it reads.
-        self.embed = embed if embed.dtype.is_block else as_dtype(embed, dtype)
+        self.device = device
+        self.quant_config = quant_config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        common = dict(dtype=dtype, device=device, quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, prefix="model.embed_tokens",
+                                                   **common)
         self.embed_multiplier = None
         if self.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
             s = tallow.tensor(np.array([math.sqrt(cfg.hidden_size)], np.float32), dtype=dtype)
             self.embed_multiplier = float(np.asarray(s.to(tallow.float32).numpy())[0])
 
         max_positions = int(max_positions or cfg.max_position_embeddings)
-        self.rope_caches = RopeCaches(cfg, max_positions)
+        self.rope_caches = RopeCaches(cfg, max_positions, device)
         self.q_scale_table = None
         beta = cfg.rope.llama_4_scaling_beta
         if beta:
             orig = cfg.rope.original_max_position_embeddings or cfg.max_position_embeddings
             table = llama4_attn_scale(np.arange(max_positions), beta, orig).reshape(-1, 1)
-            self.q_scale_table = as_dtype(tallow.from_numpy(np.ascontiguousarray(table)), dtype)
+            t = tallow.from_numpy(np.ascontiguousarray(table))
+            t = t if t.dtype == dtype else t.to(dtype)
+            self.q_scale_table = t if device == "cpu" else t.to(device)
 
-        self.layers = [self.make_layer(w, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = self.make_norm(w, "model.norm")
-        head = w.get("lm_head.weight")
-        if head is None or cfg.tie_word_embeddings:
-            head = embed
-        self.lm_head = as_dtype(head, dtype)
-        self.lm_head_bias = as_dtype(w["lm_head.bias"], dtype) if "lm_head.bias" in w else None
+        self.layers = [self.make_layer(i) for i in range(cfg.num_hidden_layers)]
+        self.norm = self.make_norm("model.norm")
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.lm_head_bias, prefix="lm_head",
+                                      tied_to=self.embed_tokens if cfg.tie_word_embeddings else None, **common)
+        self._params: Optional[dict] = None
+
+    lm_head_bias = False  # Phi-2's lm_head has a bias
 
     # -- building ---------------------------------------------------------------------------------
     @property
@@ -193,26 +181,86 @@ class DecoderForCausalLM:
     def qk_norm_kind(self) -> Optional[str]:
         return self.norm_kind if self.cfg.qk_norm else None
 
-    def make_norm(self, w: dict, name: str):
-        return make_norm(self.norm_kind, require(w, name + ".weight"), self.cfg.norm_eps, self.dtype,
-                         w.get(name + ".bias"))
+    def make_norm(self, name: str):
+        kind = self.norm_kind
+        return make_norm(kind, self.cfg.hidden_size, self.cfg.norm_eps, bias=kind == "layer_norm", prefix=name,
+                         dtype=self.dtype, device=self.device)
 
-    def make_layer(self, w: dict, i: int) -> DecoderLayer:
-        cfg, p = self.cfg, f"model.layers.{i}."
-        rope = self.rope_caches.index(cfg.rope_for_layer(i))
-        attn = SelfAttention(cfg, w, p + "self_attn.", i, self.dtype, rope, self.qk_norm_kind())
-        mlp = GatedMLP.from_weights(w, p + "mlp.", self.dtype, cfg.hidden_act)
-        parallel = cfg.use_parallel_residual
+    def make_attention(self, i: int) -> SelfAttention:
+        rope = self.rope_caches.index(self.cfg.rope_for_layer(i))
+        return SelfAttention(self.cfg, f"model.layers.{i}.self_attn.", i, self.dtype, self.device, self.quant_config,
+                             rope, self.qk_norm_kind(), self.tp_rank, self.tp_size)
+
+    def make_mlp(self, i: int):
+        cfg = self.cfg
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias,
+                        prefix=f"model.layers.{i}.mlp.", dtype=self.dtype, device=self.device,
+                        quant_config=self.quant_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
+
+    def make_layer(self, i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        parallel = self.cfg.use_parallel_residual
 
         def norm(name):
-            return None if name is None else self.make_norm(w, p + name)
+            return None if name is None else self.make_norm(p + name)
 
-        return DecoderLayer(attn, mlp, norm(self.attn_norm), None if parallel else norm(self.mlp_norm),
-                            norm(self.attn_post_norm), norm(self.mlp_post_norm), parallel)
+        return DecoderLayer(self.make_attention(i), self.make_mlp(i), norm(self.attn_norm),
+                            None if parallel else norm(self.mlp_norm), norm(self.attn_post_norm),
+                            norm(self.mlp_post_norm), parallel)
+
+    # -- loading ----------------------------------------------------------------------------------
+    def checkpoint_map(self) -> dict:
+        """{checkpoint tensor name: (layer, parameter, shard id)} over every layer."""
+        if self._params is None:
+            self._params = {}
+            for m in modules(self):
+                for name, (param, shard) in m.checkpoint_map().items():
+                    self._params[name] = (m, param, shard)
+        return self._params
+
+    def load_weights(self, weights: Iterable) -> set[str]:
+        """Load (name, tensor) pairs, one at a time, into the parameters that declared them; returns the
+        names loaded. Raises MissingWeightError naming the first weight the checkpoint lacked."""
+        params = self.checkpoint_map()
+        prefixes = {n.rsplit(".", 1)[0] for n in params}
+        loaded = set()
+        for name, tensor in weights:
+            name = text_name(name)
+            if name is None:
+                continue  # another tower of a multimodal checkpoint
+            target = params.get(name)
+            if target is None:
+                if name.endswith(_IGNORED_SUFFIXES) or (name.startswith("lm_head.") and self.lm_head.tied):
+                    continue
+                if name.rsplit(".", 1)[0] in prefixes:
+                    raise ValueError(f"the checkpoint has {name!r}, which this {self.cfg.family} config does not "
+                                     f"declare (a bias the config.json does not mention?)")
+                continue
+            module, param, shard = target
+            try:
+                module.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                msg = str(e)
+                raise ValueError(msg if msg.startswith(name.rsplit(".", 1)[0]) else f"{name}: {msg}") from None
+            loaded.add(name)
+        if not self.lm_head.tied and "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
+            self.lm_head.tie(self.embed_tokens)  # an untied config whose checkpoint has no lm_head: tie
+            self._params = None
+        self.check_loaded()
+        for m in modules(self):
+            m.process_weights_after_loading()
+        return loaded
+
+    def check_loaded(self) -> None:
+        for m in modules(self):
+            missing = m.missing()
+            if missing:
+                raise MissingWeightError(f"the checkpoint has no weight {missing[0]!r} (a different architecture, "
+                                         f"or an incomplete download?)")
 
     # -- running ----------------------------------------------------------------------------------
     def forward(self, input_ids: tallow.Tensor, positions: tallow.Tensor, kv_caches, meta: AttentionMetadata):
-        h = ops.embedding(input_ids, self.embed, self.dtype)
+        h = self.embed_tokens(input_ids)
         if self.embed_multiplier is not None:
             h = ops.scale(h, self.embed_multiplier)
         q_scale = None
@@ -220,11 +268,6 @@ class DecoderForCausalLM:
             q_scale = ops.embedding(positions, self.q_scale_table)
             q_scale = q_scale.view(q_scale.shape[0], 1, 1)
         ctx = StepContext(positions, meta, self.rope_caches.for_step(positions, meta), q_scale)
-        if h.shape[0] <= IN_PLACE_MAX_TOKENS and self.layers and all(layer.in_place_ok for layer in self.layers) \
-                and _in_place_enabled():
-            for layer, cache in zip(self.layers, kv_caches):
-                layer.in_place(h, cache, ctx)
-            return self.norm(h)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, cache, ctx)
@@ -233,7 +276,7 @@ class DecoderForCausalLM:
         return self.norm.add_norm(h, residual)[0]
 
     def compute_logits(self, hidden: tallow.Tensor) -> tallow.Tensor:
-        logits = ops.linear(hidden, self.lm_head, self.lm_head_bias)
+        logits = self.lm_head(hidden)
         cap = self.cfg.final_logit_softcapping
         if cap:
             # No tanh kernel yet: soft-cap on the host (the runner copies logits there anyway), and hand the

@@ -14,8 +14,8 @@ and adds, so the combine costs O(T*k*H) and needs no scatter kernel).
 
 Performance caveats: one device->host copy of [T, E(+1)] router logits per MoE layer per step (a
 sync), one small host->device copy of the index/weight tables, and a Python loop over the experts
-that received tokens (one pair of GEMMs each, no grouped GEMM). Expert weights are held dequantized
-in the model dtype (as the dense MLPs are), so GGUF-quantized experts cost their full-precision size.
+that received tokens (one pair of GEMMs each, no grouped GEMM). Experts are GatedMLPs of linear layers,
+so GGUF experts stay in their block type like every other projection.
 """
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ import numpy as np
 
 import tallow
 from tallow import ops
+from tallow.layers.linear import ReplicatedLinear
 from tallow.layers.mlp import GatedMLP
-from tallow.layers.names import require
-from tallow.layers.weights import as_dtype, concat_rows
 
 
 def _host(t: tallow.Tensor) -> np.ndarray:
@@ -50,38 +49,33 @@ def route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> tuple[np.ndar
 
 
 class SparseMoE:
-    def __init__(self, router: tallow.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool,
-                 shared: Optional[GatedMLP] = None, shared_gate: Optional[tallow.Tensor] = None):
-        self.num_experts = len(experts)
-        self.experts, self.top_k, self.norm_topk_prob = experts, int(top_k), bool(norm_topk_prob)
-        self.shared = shared
-        # the shared expert's gate rides along as one extra router row
-        self.router = concat_rows([router, shared_gate]) if shared_gate is not None else router
-        self.has_shared_gate = shared_gate is not None
-        self.last_counts: Optional[np.ndarray] = None  # tokens per expert at the last call (tests)
+    """Layers under `prefix` (e.g. "model.layers.3.mlp."): the router gate [E, H] (plus, with a shared
+    expert gate, shared_expert_gate [1, H] as one extra router row: one GEMM), experts.{e}.* GatedMLPs
+    and, where the config has one, shared_expert.*."""
 
-    @classmethod
-    def from_weights(cls, w: dict, prefix: str, dtype, act: str, num_experts: int, top_k: int,
-                     norm_topk_prob: bool) -> "SparseMoE":
-        """From `prefix`gate.weight [E, H], `prefix`experts.{e}.{gate,up,down}_proj.weight and, where present,
-        `prefix`shared_expert.* and `prefix`shared_expert_gate.weight [1, H]."""
-        router = as_dtype(require(w, prefix + "gate.weight"), dtype)
-        if router.shape[0] != num_experts:
-            raise ValueError(f"{prefix}gate.weight has {router.shape[0]} rows, config says {num_experts} experts")
-        experts = [GatedMLP.from_weights(w, f"{prefix}experts.{e}.", dtype, act) for e in range(num_experts)]
-        shared = shared_gate = None
-        if prefix + "shared_expert.down_proj.weight" in w:
-            shared = GatedMLP.from_weights(w, prefix + "shared_expert.", dtype, act)
-            if prefix + "shared_expert_gate.weight" in w:
-                shared_gate = as_dtype(w[prefix + "shared_expert_gate.weight"], dtype)
-                if len(shared_gate.shape) == 1:
-                    shared_gate = shared_gate.view(1, shared_gate.shape[0])
-        return cls(router, experts, top_k, norm_topk_prob, shared, shared_gate)
+    def __init__(self, cfg, prefix: str, dtype, device: str = "cpu", quant_config=None, tp_rank: int = 0,
+                 tp_size: int = 1):
+        h, act = cfg.hidden_size, cfg.hidden_act
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, int(cfg.num_experts_per_tok), \
+            bool(cfg.norm_topk_prob)
+        common = dict(dtype=dtype, device=device, quant_config=quant_config)
+        self.has_shared_gate = bool(cfg.shared_expert_intermediate_size)
+        parts = [prefix + "gate"] + ([prefix + "shared_expert_gate"] if self.has_shared_gate else [])
+        self.router = ReplicatedLinear(h, [self.num_experts] + [1] * self.has_shared_gate, False, prefix=prefix + "gate",
+                                       part_names=parts, dummy_names=parts, **common)
+        inter = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.experts = [GatedMLP(h, inter, act, prefix=f"{prefix}experts.{e}.", tp_rank=tp_rank, tp_size=tp_size,
+                                 **common) for e in range(self.num_experts)]
+        self.shared = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared = GatedMLP(h, cfg.shared_expert_intermediate_size, act, prefix=prefix + "shared_expert.",
+                                   tp_rank=tp_rank, tp_size=tp_size, **common)
+        self.last_counts: Optional[np.ndarray] = None  # tokens per expert at the last call (tests)
 
     def __call__(self, x: tallow.Tensor) -> tallow.Tensor:
         t, hidden = x.shape[0], x.shape[1]
         dev, dt = x.device, x.dtype
-        logits = _host(ops.linear(x, self.router))  # [T, E (+1)]
+        logits = _host(self.router(x))  # [T, E (+1)]
         weights, ids = route(logits[:, :self.num_experts], self.top_k, self.norm_topk_prob)
         k = self.top_k
 
@@ -105,9 +99,9 @@ class SparseMoE:
             n = int(counts[e])
             mlp = self.experts[e]
             xe = rows_in.narrow(0, start, n)
-            y = ops.linear(xe, mlp.gate_up, mlp.gate_up_bias)
+            y = mlp.gate_up_proj(xe)
             y = ops.silu_and_mul(y) if mlp.kind == "silu" else ops.gelu_and_mul(y, mlp.approximate)
-            ops.linear(y, mlp.down, mlp.down_bias, out=buf.narrow(0, start, n))
+            mlp.down_proj(y, out=buf.narrow(0, start, n))
             start += n
         buf = ops.mul(buf, dev_tensor(weights.reshape(-1)[order].reshape(-1, 1)))
 

@@ -32,6 +32,18 @@ def require(w: dict, name: str):
     return t
 
 
+def text_name(name: str):
+    """A checkpoint name under the plain causal-LM names (model.layers.*, model.embed_tokens.*, model.norm.*,
+    lm_head.*): a multimodal checkpoint's language-model prefixes mapped, None for another tower's tensor."""
+    if _OTHER_TOWERS.match(name):
+        return None
+    for pat, rep in _TEXT_PREFIXES:
+        new, n = pat.subn(rep, name)
+        if n:
+            return new
+    return name
+
+
 def text_weights(weights: dict) -> dict:
     """`weights` with a multimodal checkpoint's language-model names mapped to causal-LM names
     (model.layers.*, model.embed_tokens.*, model.norm.*, lm_head.*) and other towers dropped. Plain

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from tallow.loader.config import RopeConfig
+from tallow.config import RopeConfig
 
 __all__ = ["rope_inv_freq", "build_cos_sin_cache", "llama4_attn_scale"]
 

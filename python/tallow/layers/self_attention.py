@@ -8,11 +8,11 @@ from typing import Optional
 
 import tallow
 from tallow import ops
+from tallow.config import ModelConfig
 from tallow.layers.attention import AttentionMetadata, PagedAttention
-from tallow.layers.names import require
-from tallow.layers.norm import LayerNorm, RMSNorm, stack_rows
-from tallow.layers.weights import as_dtype, concat_rows, heads_view, split_last
-from tallow.loader.config import ModelConfig
+from tallow.layers.linear import QKVParallelLinear, RowParallelLinear
+from tallow.layers.norm import LayerNorm, RMSNorm
+from tallow.layers.weights import heads_view, split_last
 
 
 @dataclasses.dataclass
@@ -25,59 +25,47 @@ class StepContext:
 
 
 class SelfAttention:
-    """Weights under `prefix` (e.g. "model.layers.3.self_attn."): q_proj/k_proj/v_proj or a fused qkv_proj
-    (Phi-3), with biases where present; o_proj (+ bias).
+    """Layers under `prefix` (e.g. "model.layers.3.self_attn."): qkv_proj (a QKVParallelLinear loading
+    q_proj/k_proj/v_proj, or a fused qkv_proj as Phi-3 stores it; biases when cfg.qkv_bias), o_proj
+    (+ bias when cfg.o_bias).
 
     qk_norm: None, "rms_norm" (q_norm/k_norm [head_dim], Qwen3), "gemma_rms_norm" (the same with (1 + w),
     Gemma 3) or "layer_norm" (StableLM's per-head LayerNorms q_layernorm.norms.{h} without bias)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, layer: int, dtype, rope_index: int = 0,
-                 qk_norm: Optional[str] = None):
+    def __init__(self, cfg: ModelConfig, prefix: str, layer: int, dtype, device: str = "cpu", quant_config=None,
+                 rope_index: int = 0, qk_norm: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
         self.cfg = cfg
         self.rope_index = rope_index  # which of the step's RoPE caches (StepContext.rope) this layer uses
         d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
-
-        def get(name):
-            t = w.get(prefix + name)
-            return None if t is None else as_dtype(t, dtype)
-
-        if prefix + "qkv_proj.weight" in w:
-            self.qkv, self.qkv_bias = get("qkv_proj.weight"), get("qkv_proj.bias")
-        else:
-            self.qkv = concat_rows([as_dtype(require(w, prefix + f"{n}_proj.weight"), dtype) for n in "qkv"])
-            biases = [get(f"{n}_proj.bias") for n in "qkv"]
-            self.qkv_bias = concat_rows(biases) if all(b is not None for b in biases) else None
-        if self.qkv.shape[0] != sum(self.sizes):
-            raise ValueError(f"{prefix}: qkv projection has {self.qkv.shape[0]} rows, the config needs "
-                             f"{sum(self.sizes)} ({self.num_heads} + 2 x {self.num_kv_heads} heads of {d})")
-        self.o = as_dtype(require(w, prefix + "o_proj.weight"), dtype)
-        self.o_bias = get("o_proj.bias")
+        common = dict(dtype=dtype, device=device, quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.qkv_bias, prefix=prefix + "qkv_proj",
+                                          part_names=[prefix + f"{n}_proj" for n in "qkv"], **common)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.sizes = list(self.qkv_proj.output_partition_sizes)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, cfg.o_bias,
+                                        prefix=prefix + "o_proj", **common)
 
         self.q_norm = self.k_norm = None
+        norm_args = dict(dtype=dtype, device=device)
         if qk_norm in ("rms_norm", "gemma_rms_norm"):
             gemma = qk_norm == "gemma_rms_norm"
-            self.q_norm = RMSNorm(as_dtype(require(w, prefix + "q_norm.weight"), dtype), cfg.norm_eps, gemma)
-            self.k_norm = RMSNorm(as_dtype(require(w, prefix + "k_norm.weight"), dtype), cfg.norm_eps, gemma)
+            self.q_norm = RMSNorm(d, cfg.norm_eps, gemma, prefix=prefix + "q_norm", **norm_args)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, gemma, prefix=prefix + "k_norm", **norm_args)
         elif qk_norm == "layer_norm":
-            def per_head(name, n):
-                return LayerNorm(stack_rows([require(w, prefix + f"{name}.norms.{h}.weight") for h in range(n)],
-                                            dtype), None, cfg.norm_eps)
-            self.q_norm = per_head("q_layernorm", self.num_heads)
-            self.k_norm = per_head("k_layernorm", self.num_kv_heads)
+            self.q_norm = LayerNorm(d, cfg.norm_eps, False, num_heads=cfg.num_attention_heads,
+                                    prefix=prefix + "q_layernorm", **norm_args)
+            self.k_norm = LayerNorm(d, cfg.norm_eps, False, num_heads=cfg.num_key_value_heads,
+                                    prefix=prefix + "k_layernorm", **norm_args)
         elif qk_norm is not None:
             raise ValueError(f"unknown qk_norm {qk_norm!r}")
 
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, cfg.attention_scale,
                                    cfg.sliding_window_for_layer(layer), cfg.attn_logit_softcapping)
 
-    def __call__(self, x: tallow.Tensor, kv_cache, ctx: StepContext, norm: Optional[RMSNorm] = None,
-                 residual: Optional[tallow.Tensor] = None) -> tallow.Tensor:
-        """attention(x) through o_proj. With `norm`, x is normalised first (folded into the qkv
-        projection); with `residual`, the output is added to it in place (folded into o_proj) and
-        residual is returned."""
-        qkv = norm.linear(x, self.qkv, self.qkv_bias) if norm is not None else ops.linear(x, self.qkv, self.qkv_bias)
+    def __call__(self, x: tallow.Tensor, kv_cache, ctx: StepContext) -> tallow.Tensor:
+        """attention(x) through o_proj."""
+        qkv = self.qkv_proj(x)
         d = self.head_dim
         q, k, v = (heads_view(t, n // d, d) for t, n in zip(split_last(qkv, self.sizes), self.sizes))
         cos_sin, rows = ctx.rope[self.rope_index]
@@ -86,7 +74,7 @@ class SelfAttention:
             # q and k normed and rotated in place inside qkv.
             qn, kn = self.q_norm, self.k_norm
             a = self.attn.rope_and_attend(rows, q, k, v, cos_sin, self.cfg.rope_neox, kv_cache, ctx.meta,
-                                          qn.w if qn else None, kn.w if kn else None,
+                                          qn.weight if qn else None, kn.weight if kn else None,
                                           qn.eps if qn else 1e-6, bool(qn and qn.gemma_offset))
         else:  # StableLM's per-head LayerNorm, Llama 4 / Ministral 3 query scaling: the separate ops
             if self.q_norm is not None:
@@ -95,7 +83,4 @@ class SelfAttention:
             if ctx.q_scale is not None:
                 q = ops.mul(q, ctx.q_scale)
             a = self.attn(q, k, v, kv_cache, ctx.meta)
-        a = a.view(a.shape[0], -1)
-        if residual is not None:
-            return ops.linear_add(a, self.o, self.o_bias, residual)
-        return ops.linear(a, self.o, self.o_bias)
+        return self.o_proj(a.view(a.shape[0], -1))

@@ -1,26 +1,25 @@
-"""Random ("dummy") weights of a model's exact checkpoint shapes, made on the device (load_format="dummy").
+"""Random ("dummy") weights, filled in place into a model built empty on its device (load_format="dummy").
 
-Benchmarks of real shapes need no checkpoint: only config.json. Every tensor is allocated on `device`
-and filled there by ``tallow.ops.fill_uniform_`` (a counter-based hash of (seed, element index), so the
-values are the same on every device and depend only on the seed and the tensor's name):
+Benchmarks of real shapes need no checkpoint: only config.json. Every parameter is filled where it lies
+by ``tallow.ops.fill_uniform_`` (a counter-based hash of (seed, element index), so the values are the
+same on every device and depend only on the seed and the checkpoint name the parameter (or its rows)
+stands for). The layers say what each parameter is (layers/module.py: Module.dummy_parts): this module
+knows no model family and no tensor name.
 
 - linear weights [out, in]: U(-a, a), a = 1 / sqrt(in), so activations stay O(1) through the layers;
 - norm weights: U(0.9, 1.1) (U(-0.1, 0.1) for Gemma's (1 + w) norms); biases: U(-0.02, 0.02);
 - token embeddings (and an untied lm_head): U(-0.5, 0.5).
 
-Names are the Hugging Face ones the model files look up (layers/decoder.py, self_attention.py, mlp.py,
-moe.py), for every family in tallow.models. ``fused=True`` gives q/k/v and gate/up as the fused
-``qkv_proj`` / ``gate_up_proj`` tensors the model files also accept, which the builder then uses as they
-are instead of concatenating copies (no transient second copy of those weights on the device).
+Fused layers are seeded under their fused names (qkv_proj, gate_up_proj): the numbers are those of a
+checkpoint storing them fused.
 """
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Union
 
 import tallow
-from tallow.loader.config import ModelConfig
+from tallow.config import ModelConfig
 
 EMBED_RANGE = 0.5
 NORM_RANGE = (0.9, 1.1)
@@ -34,109 +33,41 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(h, "little")
 
 
-def checkpoint_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{Hugging Face name: (shape, kind)} of a checkpoint of `cfg`; kind is one of "embed", "linear",
-    "norm", "bias" (it picks the value range)."""
-    from tallow.models import model_class
-
-    cls = model_class(cfg.family)  # norm names and conventions of the family's model file
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    layer_norm = cfg.norm_type == "layer_norm"
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def norm(name: str, size: int = h) -> None:
-        out[name + ".weight"] = ((size,), "norm")
-        if layer_norm:
-            out[name + ".bias"] = ((size,), "bias")
-
-    def linear(name: str, n_out: int, n_in: int, bias: bool = False) -> None:
-        out[name + ".weight"] = ((n_out, n_in), "linear")
-        if bias:
-            out[name + ".bias"] = ((n_out,), "bias")
-
-    def gated_mlp(p: str, inter: int, bias: bool = False) -> None:
-        if fused or cfg.family in ("phi3", "glm4"):  # checkpoints of these families store gate_up fused
-            linear(p + "gate_up_proj", 2 * inter, h, bias)
-        else:
-            linear(p + "gate_proj", inter, h, bias)
-            linear(p + "up_proj", inter, h, bias)
-        linear(p + "down_proj", h, inter, bias)
-
-    out["model.embed_tokens.weight"] = ((cfg.vocab_size, h), "embed")
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for attr in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm"):
-            name = getattr(cls, attr, None)
-            if name is None or (attr == "mlp_norm" and cfg.use_parallel_residual):
-                continue
-            norm(p + name)
-        a = p + "self_attn."
-        if fused or cfg.family == "phi3":
-            linear(a + "qkv_proj", (nq + 2 * nkv) * d, h, cfg.qkv_bias)
-        else:
-            linear(a + "q_proj", nq * d, h, cfg.qkv_bias)
-            linear(a + "k_proj", nkv * d, h, cfg.qkv_bias)
-            linear(a + "v_proj", nkv * d, h, cfg.qkv_bias)
-        linear(a + "o_proj", h, nq * d, cfg.o_bias)
-        if cfg.qk_norm:
-            if cfg.family == "stablelm":  # per-head LayerNorms without bias
-                for which, n in (("q_layernorm", nq), ("k_layernorm", nkv)):
-                    for j in range(n):
-                        out[f"{a}{which}.norms.{j}.weight"] = ((d,), "norm")
-            else:
-                out[a + "q_norm.weight"] = ((d,), "norm")
-                out[a + "k_norm.weight"] = ((d,), "norm")
-        m = p + "mlp."
-        if cfg.is_moe_layer(i):
-            inter = cfg.moe_intermediate_size or cfg.intermediate_size
-            linear(m + "gate", cfg.num_experts, h)
-            for e in range(cfg.num_experts):
-                gated_mlp(f"{m}experts.{e}.", inter)
-            if cfg.shared_expert_intermediate_size:
-                gated_mlp(m + "shared_expert.", cfg.shared_expert_intermediate_size)
-                linear(m + "shared_expert_gate", 1, h)
-        else:
-            gated_mlp(m, cfg.intermediate_size, cfg.mlp_bias)
-    norm("model.norm")
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = ((cfg.vocab_size, h), "embed")
-    return out
+def value_range(kind: str, fan_in: int) -> tuple[float, float]:
+    if kind == "linear":
+        a = 1.0 / math.sqrt(fan_in)
+        return -a, a
+    if kind == "norm":
+        return NORM_RANGE
+    if kind == "gemma_norm":
+        return GEMMA_NORM_RANGE
+    if kind == "bias":
+        return -BIAS_RANGE, BIAS_RANGE
+    return -EMBED_RANGE, EMBED_RANGE  # embed
 
 
-def dummy_weights(cfg: ModelConfig, dtype: Union[str, "tallow.DType"], device: str = "cpu", seed: int = 0,
-                  fused: bool = False) -> dict[str, tallow.Tensor]:
-    """Random weights of a checkpoint of `cfg` as {Hugging Face name: Tensor of `dtype` on `device`}.
-    Tied embeddings: no lm_head.weight (the model reuses the embedding table)."""
-    if isinstance(dtype, str):
-        dtype = tallow._core.dtype(dtype)
-    from tallow.models import model_class
+def fill_dummy(model, seed: int = 0) -> dict[str, tuple]:
+    """Fill every parameter of `model` (built empty) in place; returns {seed name: (shape, kind)} of what
+    was filled."""
+    from tallow.layers.module import modules
 
-    norm_lo, norm_hi = GEMMA_NORM_RANGE if getattr(model_class(cfg.family), "gemma_norms", False) else NORM_RANGE
-    weights: dict[str, tallow.Tensor] = {}
-    for name, (shape, kind) in checkpoint_shapes(cfg, fused).items():
-        if kind == "linear":
-            a = 1.0 / math.sqrt(shape[1])
-            lo, hi = -a, a
-        elif kind == "norm":
-            lo, hi = norm_lo, norm_hi
-        elif kind == "bias":
-            lo, hi = -BIAS_RANGE, BIAS_RANGE
-        else:
-            lo, hi = -EMBED_RANGE, EMBED_RANGE
-        # StableLM's per-head q/k norms are stacked with numpy by the model builder: keep them on the host.
-        dev = "cpu" if ".norms." in name else device
-        t = tallow.empty(list(shape), dtype, dev)
-        tallow.ops.fill_uniform_(t, lo, hi, tensor_seed(seed, name))
-        weights[name] = t
-    return weights
+    filled = {}
+    for m in modules(model):
+        for view, name, kind, fan_in in m.dummy_parts():
+            lo, hi = value_range(kind, fan_in)
+            tallow.ops.fill_uniform_(view, lo, hi, tensor_seed(seed, name))
+            filled[name] = (tuple(view.shape), kind)
+    return filled
 
 
-def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
-    """Parameters of a checkpoint of `cfg` (benchmarks: the weights a decode step reads are those without
-    the token embedding table, of which it reads one row per token)."""
-    return sum(math.prod(shape) for name, (shape, _kind) in checkpoint_shapes(cfg).items()
-               if include_embedding or name != "model.embed_tokens.weight")
+def __getattr__(name: str):
+    """num_params / dummy_weights moved to tallow.models (they build a model); kept reachable here for
+    callers not yet updated (benchmarks/gpu_e2e.py). To be removed with them."""
+    if name in ("num_params", "dummy_weights"):
+        import tallow.models
+
+        return getattr(tallow.models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def placeholder_tokenizer(cfg: ModelConfig):

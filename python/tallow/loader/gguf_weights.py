@@ -32,8 +32,11 @@ class GGUFWeightsError(GGUFError):
     """A GGUF file whose tensors cannot be mapped to a supported model; names file and problem."""
 
 
-# Per-layer tensors shared by the llama-like families: GGUF suffix -> HF suffix (under model.layers.N.)
-_COMMON_LAYER = {
+# llama.cpp's per-layer tensor names shared by the llama-like families: GGUF suffix -> HF suffix (under
+# model.layers.N.). Each family's file (tallow/models/<family>.py, `gguf_tensor_names`) builds its map from
+# these; the maps, the GGUF architectures and the layout fixes each family needs are read from the
+# registry (tallow.models.registry).
+COMMON_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -47,45 +50,17 @@ _COMMON_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_MOE_LAYER = {
+MOE_LAYER = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
     "ffn_up_exps": "mlp.experts.{e}.up_proj",
     "ffn_down_exps": "mlp.experts.{e}.down_proj",
 }
-_SHARED_EXPERT_LAYER = {
+SHARED_EXPERT_LAYER = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-_GEMMA_LAYER = {
-    **_COMMON_LAYER,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-LAYER_MAPS: dict[str, dict[str, str]] = {
-    "llama": {
-        **_COMMON_LAYER,
-        # Mixtral-style MoE converted as llama
-        "ffn_gate_inp": "block_sparse_moe.gate",
-        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-    },
-    "qwen2": dict(_COMMON_LAYER),
-    "qwen3": dict(_COMMON_LAYER),
-    "qwen2moe": {**_COMMON_LAYER, **_MOE_LAYER, **_SHARED_EXPERT_LAYER},
-    "qwen3moe": {**_COMMON_LAYER, **_MOE_LAYER},
-    "phi3": {**_COMMON_LAYER, "ffn_up": "mlp.gate_up_proj"},  # phi3 keeps gate and up fused
-    "gemma2": _GEMMA_LAYER,
-    "gemma3": _GEMMA_LAYER,
-    "stablelm": {**_COMMON_LAYER, "attn_q_norm": "self_attn.q_layernorm.norms.{h}",
-                 "attn_k_norm": "self_attn.k_layernorm.norms.{h}"},
-    "glm4": {**_COMMON_LAYER, "ffn_up": "mlp.gate_up_proj",  # glm4 keeps gate and up fused
-             "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"},
 }
 GLOBAL_MAP = {
     "token_embd": "model.embed_tokens",
@@ -93,22 +68,51 @@ GLOBAL_MAP = {
     "output": "lm_head",
 }
 # Tensors that are not HF weights but carry model data (RoPE frequency factors): kept under
-# their GGUF names so the model code can find them.
+# their GGUF names so the config (and model code) can find them.
 PASSTHROUGH = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
-SUPPORTED_ARCHITECTURES = tuple(LAYER_MAPS)
-# Architectures whose GGUF convert applies LlamaModel.permute to q/k rows.
-PERMUTED_QK = {"llama"}
-# Architectures whose convert stores norm weights as 1 + w.
-NORM_SHIFTED = {"gemma2", "gemma3"}
+
+def _family(arch: str):
+    from tallow.models import registry
+
+    return registry.family_for_gguf(arch)
+
+
+def _layer_maps() -> dict[str, dict[str, str]]:
+    from tallow.models import registry
+
+    out = {}
+    for f in registry.families():
+        out.update(registry.model_class(f).gguf_tensor_names)
+    return out
+
+
+def __getattr__(name: str):
+    """Registry-derived tables (the family files import this module, so they are computed on use)."""
+    if name not in ("LAYER_MAPS", "SUPPORTED_ARCHITECTURES", "PERMUTED_QK", "NORM_SHIFTED"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from tallow.models import registry
+
+    classes = [registry.model_class(f) for f in registry.families()]
+    if name == "LAYER_MAPS":
+        return _layer_maps()
+    if name == "SUPPORTED_ARCHITECTURES":
+        return tuple(_layer_maps())
+    if name == "PERMUTED_QK":
+        return {a for c in classes if c.gguf_permuted_qk for a in c.gguf_architectures}
+    if name == "NORM_SHIFTED":
+        return {a for c in classes if c.gguf_norm_shifted for a in c.gguf_architectures}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def hf_name(arch: str, gguf_name: str) -> str | None:
+def hf_name(arch: str, gguf_name: str, layer_map: dict[str, str] | None = None) -> str | None:
     """The HF weight name for a GGUF tensor name (None when unknown). Expert and per-head names
-    keep a ``{e}`` / ``{h}`` placeholder."""
-    layer_map = LAYER_MAPS.get(arch)
+    keep a ``{e}`` / ``{h}`` placeholder. `layer_map`: the family's map (default: the registry's for `arch`)."""
+    if layer_map is None:
+        layer_map = _layer_maps().get(arch)
     if layer_map is None:
         return None
     if gguf_name in PASSTHROUGH:
@@ -167,15 +171,22 @@ class GGUFWeights:
     ``names()`` {HF name: GGUF name} without touching data. Raises GGUFWeightsError for an
     unsupported architecture or a tensor name this architecture does not have."""
 
-    def __init__(self, gguf: GGUFFile | str | os.PathLike):
+    def __init__(self, gguf: GGUFFile | str | os.PathLike, family=None):
+        """`family`: the model class whose GGUF names apply (default: the registry's for the file's
+        general.architecture)."""
         self.gguf = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
         arch = self.gguf.architecture
         if arch is None:
             raise GGUFWeightsError(f"{self.gguf.path}: no general.architecture in the GGUF metadata")
-        if arch not in LAYER_MAPS:
+        if family is None:
+            family = _family(arch)
+        layer_map = None if family is None else family.gguf_tensor_names.get(arch)
+        if layer_map is None:
             raise GGUFWeightsError(f"{self.gguf.path}: GGUF architecture {arch!r} is not supported "
-                                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                                   f"(supported: {', '.join(_layer_maps())})")
         self.arch = arch
+        self.family = family
+        self.layer_map = layer_map
 
     # metadata helpers
     def _heads(self, layer: int) -> tuple[int, int]:
@@ -191,7 +202,7 @@ class GGUFWeights:
         g, arch = self.gguf, self.arch
         plan = []
         for gname, info in g.tensors.items():
-            target = hf_name(arch, gname)
+            target = hf_name(arch, gname, self.layer_map)
             if target is None:
                 raise GGUFWeightsError(f"{g.path}: tensor {gname!r} is not a known {arch} weight")
             m = _LAYER_RE.match(gname)
@@ -216,14 +227,24 @@ class GGUFWeights:
     def names(self) -> dict[str, str]:
         return {hf: gname for hf, gname, _ in self._plan()}
 
-    def weights(self, progress: bool = False) -> dict[str, Any]:
+    def dtypes(self) -> dict[str, Any]:
+        """{HF name: tallow dtype as stored} without reading tensor data (quantization configs use it)."""
+        return {hf: self.gguf.dtype(gname) for hf, gname, _ in self._plan()}
+
+    def iter_weights(self, progress: bool = False):
+        """(HF name, tensor) pairs one at a time, in file order (a tensor whose layout is fixed is copied
+        only while it is loaded)."""
         plan = self._plan()
         it = plan
         if progress:
             from huggingface_hub.utils import tqdm
 
             it = tqdm(plan, desc=f"Loading {os.path.basename(self.gguf.path)}", unit="tensor")
-        return {hf: load() for hf, _, load in it}
+        for hf, _, load in it:
+            yield hf, load()
+
+    def weights(self, progress: bool = False) -> dict[str, Any]:
+        return dict(self.iter_weights(progress))
 
     # loaders
     def _slice(self, gname: str, i: int):
@@ -237,15 +258,16 @@ class GGUFWeights:
 
         g, arch = self.gguf, self.arch
         info = g.tensors[gname]
-        if arch in NORM_SHIFTED and gname.endswith("norm.weight"):
+        fam = self.family
+        if fam.gguf_norm_shifted and gname.endswith("norm.weight"):
             w = np.asarray(g.tensor(gname).to("float32").numpy(), dtype=np.float32) - np.float32(1.0)
             return _core.from_numpy(w)
         fix = None
-        if kind in ("attn_q", "attn_k") and arch in PERMUTED_QK:
+        if kind in ("attn_q", "attn_k") and fam.gguf_permuted_qk:
             n_head, n_kv = self._heads(layer)
             heads = n_head if kind == "attn_q" else n_kv
             fix = lambda rows: unpermute_rows(rows, heads)  # noqa: E731
-        elif kind in ("attn_q", "attn_k") and arch == "glm4" and f"{arch}.rope.dimension_sections" in g.metadata:
+        elif kind in ("attn_q", "attn_k") and not fam.rope_neox and f"{arch}.rope.dimension_sections" in g.metadata:
             n_head, n_kv = self._heads(layer)
             head_dim = _meta_int(g, f"{arch}.attention.key_length", layer) or (
                 _meta_int(g, f"{arch}.embedding_length", layer) // n_head)

@@ -162,17 +162,22 @@ def _local_file_source(path: str) -> ModelSource:
     raise ModelSourceError(f"{path}: not a model (expected a folder, a .safetensors file or a .gguf file)")
 
 
-def load_weights(source: ModelSource, progress: bool | None = None) -> dict[str, Any]:
-    """All weights of `source` as {Hugging Face name: tallow Tensor}. safetensors tensors are zero-copy
-    views of the memory-mapped files; GGUF tensors too, except the few the GGUF convert changed
-    (see gguf_weights). `progress` shows a bar (default: for checkpoints over 2 GiB)."""
+def iter_weights(source: ModelSource, progress: bool | None = None, gguf=None):
+    """The weights of `source` as (Hugging Face name, tallow Tensor) pairs, one at a time (the model's
+    per-parameter loaders copy each into place: no second copy of the model exists). safetensors
+    tensors are zero-copy views of the memory-mapped files; GGUF tensors too, except the few the GGUF
+    convert changed (see gguf_weights), copied one at a time. `gguf`: a prepared GGUFWeights (the
+    model's family), else the registry's for the file. `progress` shows a bar (default: for
+    checkpoints over 2 GiB)."""
     if source.kind == "gguf":
         from tallow.loader.gguf_weights import GGUFWeights
 
-        gguf = source.gguf
+        if gguf is None:
+            gguf = GGUFWeights(source.gguf)
         if progress is None:
             progress = os.path.getsize(source.path) > PROGRESS_BYTES
-        return GGUFWeights(gguf).weights(progress=progress)
+        yield from gguf.iter_weights(progress=progress)
+        return
     if source.kind != "safetensors":
         raise ModelSourceError(f"unknown model source kind {source.kind!r}")
     ckpt = source.checkpoint()
@@ -183,4 +188,12 @@ def load_weights(source: ModelSource, progress: bool | None = None) -> dict[str,
         from huggingface_hub.utils import tqdm
 
         names = tqdm(names, desc=f"Loading {os.path.basename(os.path.normpath(source.path))}", unit="tensor")
-    return {name: ckpt[name] for name in names}
+    for name in names:
+        yield name, ckpt[name]
+
+
+def load_weights(source: ModelSource, progress: bool | None = None) -> dict[str, Any]:
+    """All weights of `source` as {Hugging Face name: tallow Tensor} (see iter_weights; tests and tools)."""
+    if source.kind not in ("gguf", "safetensors"):
+        raise ModelSourceError(f"unknown model source kind {source.kind!r}")
+    return dict(iter_weights(source, progress))

@@ -1,79 +1,131 @@
-"""Model definitions, one file per architecture family, looked up by the config's family.
+"""Model definitions, one file per family, and the one entry point the engine uses: `load_model`.
 
-ModelConfig maps a Hugging Face `architectures[0]` / `model_type` or a GGUF `general.architecture` to a
-family (loader/config.py); this registry maps the family to its class. A family whose file is not
-written yet is simply absent here: `build_model` then lists the supported ones."""
+Each tallow/models/<family>.py holds everything its family needs (the Hugging Face architecture names and
+model_types it serves, its config defaults and normalisation, its GGUF architecture and tensor names, its
+tool-parser hint, its module tree); models/registry.py builds the registry from those files. Adding a
+family is adding a file (plus its test and the docs table).
+
+A model is built EMPTY from its config on the target device (parameters allocated there, each through its
+layer's quantization method), then weights stream in through per-parameter loaders: from safetensors
+(mmap -> device, one tensor at a time), GGUF (block types kept), or random values in place (dummy)."""
 from __future__ import annotations
 
-import importlib
+import math
 
-from tallow.loader.config import ModelConfig
-
-# family -> (module, class)
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "llama": ("tallow.models.llama", "LlamaForCausalLM"),
-    "mistral": ("tallow.models.mistral", "MistralForCausalLM"),
-    "qwen2": ("tallow.models.qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("tallow.models.qwen3", "Qwen3ForCausalLM"),
-    "qwen2_moe": ("tallow.models.qwen2_moe", "Qwen2MoeForCausalLM"),
-    "qwen3_moe": ("tallow.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "phi3": ("tallow.models.phi3", "Phi3ForCausalLM"),
-    "gemma2": ("tallow.models.gemma2", "Gemma2ForCausalLM"),
-    "gemma3": ("tallow.models.gemma3", "Gemma3ForCausalLM"),
-    "stablelm": ("tallow.models.stablelm", "StableLmForCausalLM"),
-    "glm4": ("tallow.models.glm4", "Glm4ForCausalLM"),
-}
+from tallow.config import ModelConfig
+from tallow.models import registry
 
 
 class UnsupportedModelError(ValueError):
     pass
 
 
-def register(family: str, module: str, cls: str) -> None:
-    """Add (or replace) the class for `family`."""
-    _REGISTRY[family] = (module, cls)
+def register(cls: type) -> None:
+    """Add (or replace) a family: `cls` is a model class with `family` and its names set."""
+    registry.register(cls)
 
 
 def supported_families() -> list[str]:
-    return sorted(_REGISTRY)
+    return registry.families()
 
 
 def model_class(family: str):
-    entry = _REGISTRY.get(family)
-    if entry is None:
+    cls = registry.model_class(family)
+    if cls is None:
         raise UnsupportedModelError(f"model family {family!r} is not supported by the engine yet; "
                                     f"supported: {', '.join(supported_families())}")
-    return getattr(importlib.import_module(entry[0]), entry[1])
+    return cls
 
 
-def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | None = None):
-    if cfg.family not in _REGISTRY:
+def _check_family(cfg: ModelConfig):
+    if registry.model_class(cfg.family) is None:
         raise UnsupportedModelError(
             f"model family {cfg.family!r} ({cfg.architecture}) is not supported by the engine yet; "
             f"supported: {', '.join(supported_families())}")
-    return model_class(cfg.family)(cfg, weights, dtype, max_positions)
+    return registry.model_class(cfg.family)
+
+
+def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | None = None, device: str = "cpu",
+                quant_config=None):
+    """The model of `cfg` built empty and loaded from `weights` ({Hugging Face name: Tensor}; tests and tools)."""
+    import tallow
+
+    cls = _check_family(cfg)
+    model = cls(cfg, dtype or tallow.float32, max_positions, device=device, quant_config=quant_config)
+    model.load_weights(weights.items())
+    return model
 
 
 def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_format: str = "auto", seed: int = 0,
-               max_positions: int | None = None):
+               max_positions: int | None = None, quant_config=None):
     """The model of `cfg` on `device` in `dtype`, its weights from `source` (a loader.source.ModelSource),
-    or random ones when load_format == "dummy". The one entry point the engine's executor uses."""
-    import tallow
+    or random ones when load_format == "dummy". The one entry point the engine's executor uses.
 
+    quant_config: a layers.quantization config (default: the checkpoint's own, e.g. GGUF block types)."""
+    cls = _check_family(cfg)
     if load_format == "dummy":
-        from tallow.loader.dummy import dummy_weights
+        from tallow.loader.dummy import fill_dummy
 
-        weights = dummy_weights(cfg, dtype, device, seed=seed or 0, fused=True)
-    else:
-        from tallow.loader.source import load_weights
+        model = cls(cfg, dtype, max_positions, device=device)
+        fill_dummy(model, seed=seed or 0)
+        return model
+    from tallow.layers.quantization import config_for_checkpoint
+    from tallow.loader.source import iter_weights
 
-        weights = load_weights(source)
-        if device != "cpu":  # straight from the mmap to the device; fusing/casting happen there
-            weights = {name: t.to(device) if isinstance(t, tallow.Tensor) else t for name, t in weights.items()}
-    model = build_model(cfg, weights, dtype, max_positions=max_positions)
-    del weights
-    if device != "cpu":
-        from tallow.layers.weights import move_to_device
+    gguf = None
+    if getattr(source, "kind", None) == "gguf":
+        from tallow.loader.gguf_weights import GGUFWeights
 
-        move_to_device(model, device)
+        gguf = GGUFWeights(source.gguf, family=cls)
+    if quant_config is None:
+        quant_config = config_for_checkpoint(source, None if gguf is None else gguf.dtypes())
+    model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config)
+    model.load_weights(iter_weights(source, gguf=gguf))
     return model
+
+
+def dummy_weights(cfg: ModelConfig, dtype, device: str = "cpu", seed: int = 0) -> dict:
+    """{seed name: parameter (or its rows)} of a dummy-loaded model of `cfg` (tests and tools)."""
+    import tallow
+    from tallow.layers.module import modules
+
+    if isinstance(dtype, str):
+        dtype = tallow._core.dtype(dtype)
+    model = load_model(cfg, None, dtype, device, load_format="dummy", seed=seed)
+    out = {}
+    for m in modules(model):
+        for view, name, _kind, _fan_in in m.dummy_parts():
+            out[name] = view.view(view.shape[-1]) if ".norms." in name else view
+    return out
+
+
+def checkpoint_names(cfg: ModelConfig) -> dict[str, tuple]:
+    """{checkpoint name: shape} of every tensor a model of `cfg` loads, under its unfused names
+    (q/k/v, gate/up, per-expert, per-head): what a Hugging Face checkpoint of `cfg` holds. Builds the model
+    empty on the host (the allocation is not touched)."""
+    import tallow
+    from tallow.layers.linear import LinearBase
+    from tallow.layers.module import modules
+
+    model = model_class(cfg.family)(cfg, tallow.float32, 1)
+    out = {}
+    for m in modules(model):
+        for name, (param, shard) in m.checkpoint_map().items():
+            t = getattr(m, param)
+            if isinstance(m, LinearBase):
+                if shard is None and len(m.part_names) > 1:
+                    continue  # the fused alternative name
+                rows = m.output_sizes[shard or 0]
+                out[name] = (rows, m.input_size) if param == "weight" else (rows,)
+            elif shard is not None:
+                out[name] = tuple(t.shape[1:])
+            else:
+                out[name] = tuple(t.shape)
+    return out
+
+
+def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Parameters of a checkpoint of `cfg` (benchmarks: the weights a decode step reads are those without
+    the token embedding table, of which it reads one row per token)."""
+    return sum(math.prod(shape) for name, shape in checkpoint_names(cfg).items()
+               if include_embedding or name != "model.embed_tokens.weight")

@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Optional
 
+from tallow import envs
+
 EXIT_USAGE = 2
 API_KEY_ENV = "TALLOW_API_KEY"
 
@@ -101,7 +103,7 @@ def resolve(ns) -> tuple:
         if not tallow.cuda.is_available():
             why = "this build has no CUDA backend" if not tallow.cuda.built else "no CUDA device is visible"
             raise FlagError(f"--d {ns.device_ids}: {why}; leave --d out to run on the CPU")
-    api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = ns.api_key if ns.api_key is not None else envs.TALLOW_API_KEY
     names = list(ns.served_model_name) if ns.served_model_name else ([DEMO_NAME] if demo else _served_names(ns, args))
     config = ServerConfig(model_names=names, model_root=args.gguf_file or args.weights_dir or args.model or "",
                           api_key=api_key, tool_parser=ns.enforce_parser, reasoning=ns.reasoning_parser,
@@ -174,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - a bug: one line unless TALLOW_DEBUG
-        if os.environ.get("TALLOW_DEBUG"):
+        if envs.TALLOW_DEBUG:
             raise
         print(f"tallow serve: internal error: {type(e).__name__}: {e} (TALLOW_DEBUG=1 shows the traceback)",
               file=sys.stderr)

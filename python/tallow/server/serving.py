@@ -576,7 +576,7 @@ MAX_EMBED_INPUTS = 2048
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    from tallow.engine.engine import KVCacheFullError
+    from tallow.engine.errors import KVCacheFullError
 
     st = request.app[STATE]
     body = await P.read_json(request)

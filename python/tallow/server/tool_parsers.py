@@ -662,12 +662,9 @@ def detect_parser(chat_template: Optional[str], family: Optional[str] = None) ->
         return "llama"
     if "<|start_header_id|>" in t and ("<|python_tag|>" in t or '"parameters"' in t):
         return "llama3_json"
-    fam = (family or "").lower()
-    if fam.startswith("mistral"):
-        return "mistral"
-    if fam.startswith("qwen"):
-        return "hermes"
-    return "json"  # e.g. a Llama-architecture model whose template is not Llama 3's (SmolLM2)
+    from tallow.models.registry import tool_parser_hint
+
+    return tool_parser_hint(family) or "json"  # e.g. a Llama-architecture model whose template is not Llama 3's
 
 
 # -- streaming ---------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""Turning logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling,
-logprobs. Works on a [batch, vocab] float32 numpy array (the GPU path samples on the device).
+"""The reference sampler for the tests: penalties, temperature, top-k / top-p / min-p, seeded
+sampling, logprobs, in numpy over a [batch, vocab] float32 array. The engine samples with
+tallow.worker.sampler.Sampler (the device ops, on every device); tests hold it to this reference
+(the same semantics; its seeded draws differ, a counter-based Gumbel-max instead of numpy generators).
 
 Semantics (vLLM's / Hugging Face's):
 - repetition_penalty over prompt + output tokens: a positive logit is divided by it, a negative one
@@ -24,24 +26,16 @@ over the batch only do small work per row (a draw from the request's generator, 
 256-token block, and top-p's full sort for rows whose nucleus is not within its 256 largest)."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import numpy as np
 
 from tallow.engine.request import Request
 from tallow.engine.sampling_params import GREEDY_EPS, LOGIT_BIAS_STEP
+from tallow.worker.sampler import SampleResult
 
 _TOP_P_CANDIDATES = 256  # top-p first looks at this many most probable tokens, then sorts the row
 _BLOCK = 256  # block size of the two-level CDF search
-
-
-@dataclasses.dataclass
-class SampleResult:
-    token_id: int
-    logprob: Optional[float] = None  # of the sampled token under the model's distribution
-    rank: Optional[int] = None  # of the sampled token (1 = most probable)
-    top_logprobs: Optional[list[tuple[int, float]]] = None  # (token, logprob), best first
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import tallow
 from tallow import cuda
 
-log = logging.getLogger("tallow.engine")
+log = logging.getLogger("tallow.worker")
 
 
 def bucket_sizes(max_bs: int) -> list[int]:

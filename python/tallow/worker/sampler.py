@@ -1,6 +1,23 @@
-"""Sampling on the logits' device: GpuSampler has Sampler's interface (sampler.py, whose module
-docstring gives the semantics) and runs tallow.ops.apply_penalties / logprobs / sample_tokens on the
-[batch, vocab] logits tensor, so only the sampled ids (and requested log-probs) come back to the host.
+"""The sampler: turns a step's [batch, vocab] logits into tokens with the device ops
+(tallow.ops.apply_penalties / logprobs / sample_tokens), on whatever device the logits are (CPU
+tensors too), so on a GPU only the sampled ids (and requested log-probs) come back to the host.
+
+Semantics (vLLM's / Hugging Face's; tests/python/reference_sampler.py is the numpy reference that
+the tests hold this sampler to):
+- repetition_penalty over prompt + output tokens: a positive logit is divided by it, a negative one
+  multiplied; frequency_penalty * count + presence_penalty is subtracted for each token of the
+  output so far. Penalties apply before temperature, and greedy decoding sees them too.
+- logit_bias (token id -> value) is added first, before the penalties (vLLM's order), in whole steps
+  of 2^-16 (LOGIT_BIAS_STEP).
+- while a request has fewer than min_tokens output tokens, its stop token ids and (unless
+  ignore_eos) the EOS ids are masked out.
+- temperature < 1e-5 is greedy (argmax). Otherwise logits / temperature, then top-k (ties with the
+  k-th value kept), min-p, top-p, and one draw.
+- logprobs are log_softmax of the raw logits (before penalties and temperature, as vLLM's default);
+  rank is 1 + the number of tokens with a strictly larger logit.
+
+A request is any object with request_id, params, prompt_token_ids, output_token_ids and
+num_output_tokens (the worker's per-request state; tests pass engine Requests).
 
 Per step the host builds the per-row parameters in numpy and uploads them in one copy (one int64
 buffer viewed as the six parameter vectors). Penalties and min_tokens bans go through one [B, L]
@@ -10,23 +27,30 @@ the same op before that, as two more tables with repetition 1 and presence 0: th
 counts of LOGIT_BIAS_STEP with frequency -LOGIT_BIAS_STEP, the negative ones with +LOGIT_BIAS_STEP
 (the products are exact in float32, so this adds what Sampler adds).
 
-Draws differ from Sampler's (a counter-based Gumbel-max instead of numpy generators) but follow the
-same distribution. Seeds: a request's params.seed, else a random one drawn when it is first seen;
+Draws come from a counter-based Gumbel-max (not numpy generators: the reference's draws differ but
+follow the same distribution). Seeds: a request's params.seed, else a random one drawn when it is first seen;
 the offset is its number of output tokens, so a seeded request gives the same tokens whatever the
 batch. When penalties apply to float32 logits they are modified in place."""
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Optional
 
 import numpy as np
 
 import tallow
-from tallow.engine.request import Request
-from tallow.engine.sampler import SampleResult
 from tallow.engine.sampling_params import LOGIT_BIAS_STEP
 
 _U64 = 1 << 64
+
+
+@dataclasses.dataclass
+class SampleResult:
+    token_id: int
+    logprob: Optional[float] = None  # of the sampled token under the model's distribution
+    rank: Optional[int] = None  # of the sampled token (1 = most probable)
+    top_logprobs: Optional[list[tuple[int, float]]] = None  # (token, logprob), best first
 
 
 def _as_int64(seed: int) -> int:
@@ -77,7 +101,7 @@ class _PenaltyRow:
         return self.ids[p], self.counts[p]
 
 
-class GpuSampler:
+class Sampler:
     def __init__(self, vocab_size: int, overlap_depth: int = 1):
         """overlap_depth: how many launched steps the engine leaves unread (sizes the host buffers)."""
         self.vocab_size = vocab_size
@@ -92,7 +116,7 @@ class GpuSampler:
         self._penalty.pop(request_id, None)
         self._bias.pop(request_id, None)
 
-    def _seed(self, req: Request) -> int:
+    def _seed(self, req) -> int:
         s = self._seeds.get(req.request_id)
         if s is None:
             seed = req.params.seed if req.params.seed is not None else secrets.randbits(64)
@@ -100,7 +124,7 @@ class GpuSampler:
         return s
 
     # -- host-side tables --------------------------------------------------------------------------
-    def _params(self, reqs: list[Request], device) -> dict[str, tallow.Tensor]:
+    def _params(self, reqs: list, device) -> dict[str, tallow.Tensor]:
         """The six [B] parameter vectors of sample_tokens, uploaded as one buffer."""
         B = len(reqs)
         raw = np.empty(4 * B, dtype=np.int64)
@@ -119,7 +143,7 @@ class GpuSampler:
                     top_k=fl.narrow(0, 3 * B, B).view_as_dtype("int32", [B]),
                     seeds=t.narrow(0, 0, B), offsets=t.narrow(0, B, B))
 
-    def _penalty_tables(self, reqs: list[Request], eos_ids: set[int]) -> Optional[tuple[np.ndarray, ...]]:
+    def _penalty_tables(self, reqs: list, eos_ids: set[int]) -> Optional[tuple[np.ndarray, ...]]:
         """(ids [B, L], counts [B, L], repetition, frequency, presence) or None when nothing applies."""
         V = self.vocab_size
         rows: list[Optional[tuple[np.ndarray, np.ndarray]]] = []
@@ -161,7 +185,7 @@ class GpuSampler:
         pres = np.array([r.params.presence_penalty for r in reqs], dtype=np.float32)
         return tid, tcnt, rep, freq, pres
 
-    def _bias_tables(self, reqs: list[Request]) -> list[tuple[np.ndarray, ...]]:
+    def _bias_tables(self, reqs: list) -> list[tuple[np.ndarray, ...]]:
         """apply_penalties arguments adding the requests' logit_bias (up to two tables: positive and
         negative biases); empty when no request has one."""
         rows = []
@@ -194,10 +218,10 @@ class GpuSampler:
         return tables
 
     # -- sampling ------------------------------------------------------------------------------------
-    def sample(self, logits: tallow.Tensor, reqs: list[Request], eos_ids: set[int]) -> list[SampleResult]:
+    def sample(self, logits: tallow.Tensor, reqs: list, eos_ids: set[int]) -> list[SampleResult]:
         return self.launch(logits, reqs, eos_ids).results() if reqs else []
 
-    def launch(self, logits: tallow.Tensor, reqs: list[Request], eos_ids: set[int]) -> "LaunchedSample":
+    def launch(self, logits: tallow.Tensor, reqs: list, eos_ids: set[int]) -> "LaunchedSample":
         """Queue the sampling of one step on the logits' device; the returned object holds the sampled
         ids on the device (`ids`) and reads the results back when asked (`results()`)."""
         B = len(reqs)
@@ -254,7 +278,7 @@ class LaunchedSample:
     """A step's sampling queued on the device. On a GPU the ids (and log-probs) are copied into
     page-locked host memory without waiting; results() waits for that copy only."""
 
-    def __init__(self, reqs: list[Request], ids: tallow.Tensor, lp, pinned: _PinnedRing):
+    def __init__(self, reqs: list, ids: tallow.Tensor, lp, pinned: _PinnedRing):
         self.reqs, self.ids = reqs, ids
         self._dev = [ids] + (list(lp) if lp is not None else [])
         self._host = self._dev
@@ -287,3 +311,23 @@ class LaunchedSample:
                     res.top_logprobs = [(int(ids[i, 1 + j]), float(vals[i, 1 + j])) for j in range(k)]
             results.append(res)
         return results
+
+    def read(self) -> tuple[list[int], Optional[list]]:
+        """Plain data: (sampled ids, per row None or (logprob, rank, [(token, logprob)] of the top
+        params.logprobs)); waits for the copy only. The logprob rows are None when no row asked."""
+        if self._event is not None:
+            self._event.synchronize()
+        arrays = [t.numpy() for t in self._host]
+        tokens = arrays[0].tolist()
+        if len(arrays) == 1:
+            return tokens, None
+        vals, ids, ranks = arrays[1:]
+        rows: list = []
+        for i, req in enumerate(self.reqs):
+            k = req.params.logprobs
+            if k is None:
+                rows.append(None)
+                continue
+            rows.append((float(vals[i, 0]), int(ranks[i]),
+                         [(int(ids[i, 1 + j]), float(vals[i, 1 + j])) for j in range(k)] if k > 0 else None))
+        return tokens, rows

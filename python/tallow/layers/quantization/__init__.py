@@ -1,0 +1,64 @@
+"""Quantization methods: how a layer's weights are created, loaded (this rank's shard) and applied.
+
+A QuantizationConfig is picked once per model from the checkpoint (`config_for_checkpoint`) and asked,
+per layer, for the method that layer's parameters use (vLLM's QuantizationConfig.get_quant_method):
+
+    unquantized  UnquantizedLinearMethod / UnquantizedEmbeddingMethod (layers/quantization/unquantized.py)
+    gguf         GGUFLinearMethod / GGUFEmbeddingMethod for block-typed tensors, the unquantized ones
+                 for float tensors of the same file (layers/quantization/gguf.py)
+
+A new format (GPTQ, AWQ, FP8, ...) is one more module here with its config class and methods, registered
+with `register_quantization("name", ConfigClass)`; `config_for_checkpoint` picks it from the checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from tallow.layers.quantization.base import (  # noqa: F401
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedConfig,
+)
+
+_FORMATS: dict[str, type] = {}
+
+
+def register_quantization(name: str, config_cls: type) -> None:
+    """Make a quantization format available by name (its config class builds the per-layer methods)."""
+    _FORMATS[name] = config_cls
+
+
+def quantization_formats() -> list[str]:
+    _load_builtin()
+    return sorted(_FORMATS)
+
+
+def _load_builtin() -> None:
+    if "unquantized" not in _FORMATS:
+        from tallow.layers.quantization.gguf import GGUFConfig
+
+        _FORMATS["unquantized"] = UnquantizedConfig
+        _FORMATS["gguf"] = GGUFConfig
+
+
+def get_quantization_config(name: str, **kwargs) -> QuantizationConfig:
+    _load_builtin()
+    try:
+        cls = _FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown quantization {name!r}; known: {', '.join(sorted(_FORMATS))}") from None
+    return cls(**kwargs)
+
+
+def config_for_checkpoint(source=None, weight_dtypes: Optional[dict] = None) -> QuantizationConfig:
+    """The quantization config of a checkpoint: GGUF files -> GGUFConfig over their tensor dtypes
+    (`weight_dtypes`: {Hugging Face name: tallow dtype}); everything else unquantized (GPTQ / AWQ /
+    FP8 safetensors checkpoints will be recognised here from their config.json quantization_config)."""
+    _load_builtin()
+    if source is not None and getattr(source, "kind", None) == "gguf":
+        if weight_dtypes is None:
+            from tallow.loader.gguf_weights import GGUFWeights
+
+            weight_dtypes = GGUFWeights(source.gguf).dtypes()
+        return get_quantization_config("gguf", weight_dtypes=weight_dtypes)
+    return get_quantization_config("unquantized")

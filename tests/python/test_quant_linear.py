@@ -1,0 +1,267 @@
+"""dequant_linear: x @ dequantize(w)^T (+ bias) with w kept in its GGUF block format (CPU).
+
+Weights: random floats quantized with the gguf package (gguf.quants.quantize) where it has a quantizer
+(q4_0, q4_1, q5_0, q5_1, q8_0); for the types it can only dequantize (k-quants) and the two it lacks
+(q8_1, q8_k) random blocks with scale fields of realistic magnitude. Inputs are fresh random normals
+every run (the `rng` fixture prints its seed).
+
+Error bound, per output element: |out - ref| <= 4 * K * 2^-24 * (|x| @ |dequant(w)|^T), ref the float64
+product of the same f32 operands (the worst-case bound of an f32 sum of K products is K * 2^-24 times
+that; in practice it lands ~sqrt(K) lower); f16 / bf16 outputs add one rounding of |ref|. For M <= 16
+(the GEMM's dot-product path, whatever the tile) the result is also bit-identical to linear(x, dequantize(w)).
+"""
+import numpy as np
+import pytest
+
+import tallow
+import tallow.cuda as tc
+from tallow import _core, ops
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as GT  # noqa: E402
+import gguf.quants  # noqa: E402
+
+# name -> (block size, bytes per block, f16 scale field offsets, f32 scale field offsets)
+BLOCKS = {
+    "q4_0": (32, 18, (0,), ()),
+    "q4_1": (32, 20, (0, 2), ()),
+    "q5_0": (32, 22, (0,), ()),
+    "q5_1": (32, 24, (0, 2), ()),
+    "q8_0": (32, 34, (0,), ()),
+    "q8_1": (32, 36, (0, 2), ()),
+    "q2_k": (256, 84, (80, 82), ()),
+    "q3_k": (256, 110, (108,), ()),
+    "q4_k": (256, 144, (0, 2), ()),
+    "q5_k": (256, 176, (0, 2), ()),
+    "q6_k": (256, 210, (208,), ()),
+    "q8_k": (256, 292, (), (0,)),
+}
+TYPES = list(BLOCKS)
+QUANTIZABLE = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"}
+
+
+def make_weight(rng, name, n, k):
+    """(raw uint8 [n, bytes], f32 reference dequantization [n, k])."""
+    bs, ts, f16_at, f32_at = BLOCKS[name]
+    assert k % bs == 0
+    if name in QUANTIZABLE:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        raw = np.ascontiguousarray(gguf.quants.quantize(w, getattr(GT, name.upper())))
+    else:
+        raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+        for off in f16_at:
+            v = (rng.uniform(0.5, 2.0, size=(n, k // bs)) * 1e-2).astype(np.float16)
+            raw[:, :, off:off + 2] = v.view(np.uint8).reshape(n, k // bs, 2)
+        for off in f32_at:
+            v = (rng.uniform(0.5, 2.0, size=(n, k // bs)) * 1e-3).astype(np.float32)
+            raw[:, :, off:off + 4] = v.view(np.uint8).reshape(n, k // bs, 4)
+        raw = raw.reshape(n, -1)
+    assert raw.shape == (n, k // bs * ts)
+    return raw, reference_dequant(raw, name)
+
+
+def reference_dequant(raw, name):
+    bs, ts, _, _ = BLOCKS[name]
+    rows = raw.shape[0]
+    b = raw.reshape(-1, ts)
+    if name == "q8_1":  # f16 d, f16 s, 32 x int8: y = d * q (gguf has no Q8_1 dequantizer)
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+        return (b[:, 4:].copy().view(np.int8).astype(np.float32) * d).reshape(rows, -1)
+    if name == "q8_k":  # f32 d, 256 x int8, 16 x int16 bsums: y = d * q
+        d = b[:, 0:4].copy().view(np.float32)
+        return (b[:, 4:260].copy().view(np.int8).astype(np.float32) * d).reshape(rows, -1)
+    return gguf.quants.dequantize(raw, getattr(GT, name.upper())).astype(np.float32)
+
+
+def block_tensor(raw, name):
+    bs, ts, _, _ = BLOCKS[name]
+    return tallow.from_buffer(raw, dtype=name, shape=[raw.shape[0], raw.shape[1] // ts * bs])
+
+
+def check(out, x64, wref, bias=None, dtype_eps=0.0):
+    """out (numpy) against float64 x @ wref^T (+ bias) within the module's bound."""
+    w64 = wref.astype(np.float64)
+    ref = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T
+    if bias is not None:
+        ref = ref + bias.astype(np.float64)
+        scale = scale + np.abs(bias.astype(np.float64))
+    K = x64.shape[-1]
+    bound = 4 * K * 2.0 ** -24 * scale + dtype_eps * np.abs(ref) + 1e-30
+    err = np.abs(out.astype(np.float64) - ref)
+    assert out.shape == ref.shape
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+    return float(np.max(err / bound))
+
+
+@pytest.fixture(params=["default", "portable"])
+def isa(request):
+    first = _core._cpu_isa()
+    if request.param != "default" and not _core._set_cpu_isa(request.param):
+        pytest.skip(f"kernel set {request.param} not available")
+    yield _core._cpu_isa()
+    _core._set_cpu_isa(first)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 100])
+def test_dequant_linear_every_type(name, M, rng, isa):
+    bs = BLOCKS[name][0]
+    K = 512 if bs == 256 else 32 * int(rng.integers(5, 20))
+    N = 67  # not a multiple of any tile (tiles are multiples of 8 rows)
+    raw, wref = make_weight(rng, name, N, K)
+    w = block_tensor(raw, name)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    out = ops.dequant_linear(tallow.tensor(x), w, tallow.tensor(bias))
+    assert out.dtype == tallow.float32 and tuple(out.shape) == (M, N)
+    check(out.numpy(), x.astype(np.float64), wref, bias)
+    # The row routines in use (AVX2 or reference) are bit-exact with gguf's dequantizers.
+    np.testing.assert_array_equal(ops.dequantize(w).numpy(), wref)
+    out_nb = ops.dequant_linear(tallow.tensor(x), w)
+    check(out_nb.numpy(), x.astype(np.float64), wref)
+    if M <= 16:
+        np.testing.assert_array_equal(out_nb.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_k"])
+@pytest.mark.parametrize("M", [1, 5, 16, 64, 256])
+def test_dequant_linear_model_shapes(name, M, rng):
+    # Larger N and K (many tiles on every thread), as a model's projections are.
+    bs = BLOCKS[name][0]
+    K, N = (768, 1000) if bs == 32 else (1536, 517)
+    raw, wref = make_weight(rng, name, N, K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    out = ops.dequant_linear(tallow.tensor(x), block_tensor(raw, name))
+    check(out.numpy(), x.astype(np.float64), wref)
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 100])
+def test_strided_and_batched_x(M, rng):
+    name, K, N = "q4_1", 256, 45
+    raw, wref = make_weight(rng, name, N, K)
+    w = block_tensor(raw, name)
+    big = rng.standard_normal((M, K + 40)).astype(np.float32)
+    xs = tallow.tensor(big).narrow(1, 24, K)  # rows 296 floats apart
+    assert M == 1 or not xs.is_contiguous()
+    check(ops.dequant_linear(xs, w).numpy(), big[:, 24:24 + K].astype(np.float64), wref)
+    # Every other row of a 3-D x (rows not evenly spaced after merging: copied once).
+    x3 = rng.standard_normal((2, 2 * M, K)).astype(np.float32)
+    v = tallow.tensor(x3).slice(1, 0, 2 * M, 2)
+    out = ops.dequant_linear(v, w)
+    assert tuple(out.shape) == (2, M, N)
+    check(out.numpy().reshape(-1, N), x3[:, ::2].reshape(-1, K).astype(np.float64), wref)
+    # A 1-D x.
+    x1 = rng.standard_normal(K).astype(np.float32)
+    o1 = ops.dequant_linear(tallow.tensor(x1), w)
+    assert tuple(o1.shape) == (N,)
+    check(o1.numpy()[None], x1[None].astype(np.float64), wref)
+
+
+def test_strided_w_rows(rng):
+    # Every other row of w, and a block-aligned column range of w (with x of that width).
+    name, K, N = "q8_0", 320, 90
+    raw, wref = make_weight(rng, name, N, K)
+    w = block_tensor(raw, name)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    out = ops.dequant_linear(tallow.tensor(x), w.slice(0, 1, N, 2))
+    check(out.numpy(), x.astype(np.float64), wref[1::2])
+    xn = rng.standard_normal((20, 128)).astype(np.float32)
+    out = ops.dequant_linear(tallow.tensor(xn), w.narrow(1, 64, 128))
+    check(out.numpy(), xn.astype(np.float64), wref[:, 64:192])
+
+
+@pytest.mark.parametrize("dtype,eps", [("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8)])
+@pytest.mark.parametrize("M", [2, 40])
+def test_half_inputs(dtype, eps, M, rng):
+    name, K, N = "q4_k", 512, 70
+    raw, wref = make_weight(rng, name, N, K)
+    x = tallow.tensor(rng.standard_normal((M, K)).astype(np.float32), dtype=dtype)
+    b = tallow.tensor(rng.standard_normal(N).astype(np.float32), dtype=dtype)
+    out = ops.dequant_linear(x, block_tensor(raw, name), b)
+    assert out.dtype == getattr(tallow, dtype)
+    x64 = x.to("float32").numpy().astype(np.float64)
+    check(out.to("float32").numpy(), x64, wref, b.to("float32").numpy(), dtype_eps=eps)
+
+
+def test_float_weight_is_linear(rng):
+    x = tallow.tensor(rng.standard_normal((5, 48)).astype(np.float32))
+    w = tallow.tensor(rng.standard_normal((7, 48)).astype(np.float32))
+    b = tallow.tensor(rng.standard_normal(7).astype(np.float32))
+    np.testing.assert_array_equal(ops.dequant_linear(x, w, b).numpy(), ops.linear(x, w, b).numpy())
+
+
+def test_independent_of_threads(rng):
+    name, K, N = "q4_1", 576, 300
+    raw, _ = make_weight(rng, name, N, K)
+    w = block_tensor(raw, name)
+    x = tallow.tensor(rng.standard_normal((64, K)).astype(np.float32))
+    x1 = tallow.tensor(rng.standard_normal((1, K)).astype(np.float32))
+    n = _core.get_num_threads()
+    try:
+        ref, ref1 = ops.dequant_linear(x, w).numpy(), ops.dequant_linear(x1, w).numpy()
+        _core.set_num_threads(1)
+        np.testing.assert_array_equal(ops.dequant_linear(x, w).numpy(), ref)
+        np.testing.assert_array_equal(ops.dequant_linear(x1, w).numpy(), ref1)
+        _core.set_num_threads(3)
+        np.testing.assert_array_equal(ops.dequant_linear(x, w).numpy(), ref)
+    finally:
+        _core.set_num_threads(n)
+
+
+def test_out_and_empty(rng):
+    name, K, N = "q8_0", 64, 9
+    raw, wref = make_weight(rng, name, N, K)
+    w = block_tensor(raw, name)
+    x = rng.standard_normal((4, K)).astype(np.float32)
+    o = tallow.tensor(np.full((4, N), 7.0, np.float32))
+    r = ops.dequant_linear(tallow.tensor(x), w, out=o)
+    check(o.numpy(), x.astype(np.float64), wref)
+    np.testing.assert_array_equal(r.numpy(), o.numpy())
+    assert tuple(ops.dequant_linear(tallow.tensor(np.zeros((0, K), np.float32)), w).shape) == (0, N)
+
+
+def q_weight(rng, name="q4_0", n=8, k=64):
+    return block_tensor(make_weight(rng, name, n, k)[0], name)
+
+
+def ft(rng, shape, dtype="float32"):
+    return tallow.tensor(rng.standard_normal(shape).astype(np.float32), dtype=dtype)
+
+
+def test_errors(rng):
+    w = q_weight(rng)  # q4_0 [8, 64]
+    cases = [
+        (lambda: ops.dequant_linear(ft(rng, (3, 32)), w), ValueError,
+         r"^dequant_linear: x \[3, 32\] and w q4_0\[8, 64\]: x.shape\[-1\] = 32 must equal w.shape\[1\] = 64"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, ft(rng, (7,))), ValueError,
+         r"^dequant_linear: bias must have shape \[8\] for w q4_0\[8, 64\], got \[7\]"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, ft(rng, (1, 8))), ValueError,
+         r"^dequant_linear: bias must have shape \[8\]"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, ft(rng, (8,), "float16")), TypeError,
+         r"^dequant_linear: x .* and bias .* same dtype"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), tallow.from_numpy(np.ones((8, 64), np.int32))), TypeError,
+         r"^dequant_linear: w must be a GGUF block dtype .* got int32 tensor of shape \[8, 64\]"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), ft(rng, (8, 64), "bfloat16")), TypeError,
+         r"^dequant_linear: x \(float32\[3, 64\]\) and w \(bfloat16\[8, 64\]\)"),
+        (lambda: ops.dequant_linear(tallow.from_numpy(np.ones((3, 64), np.int32)), w), TypeError,
+         r"^dequant_linear: x must be float32, float16 or bfloat16, got int32"),
+        (lambda: ops.dequant_linear(w, w), TypeError, r"^dequant_linear: x must be float32"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w.unsqueeze(0)), ValueError,
+         r"^dequant_linear: w must be 2-D \[N, K\], got q4_0 shape \[1, 8, 64\]"),
+        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, out=ft(rng, (3, 9))), ValueError,
+         r"^dequant_linear: out has shape \[3, 9\], expected \[3, 8\]"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+@pytest.mark.skipif(not tc.is_available(), reason="needs a CUDA device (tallow built with CUDA)")
+def test_cuda_tensor_raises(rng):
+    w = q_weight(rng)
+    x = ft(rng, (2, 64))
+    with pytest.raises(ValueError, match=r"^dequant_linear: .*cuda.*compose dequantize and linear"):
+        ops.dequant_linear(x.to("cuda"), w.to("cuda"))
+    with pytest.raises(ValueError, match=r"^dequant_linear: tensors on different devices"):
+        ops.dequant_linear(x, w.to("cuda"))
