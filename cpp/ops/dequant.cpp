@@ -285,13 +285,13 @@ TALLOW_SIMD_CLONES void deq_q8_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW
 
 using RowFn = void (*)(const uint8_t*, float*, int64_t);
 
-// ---- AVX2 row routines ---------------------------------------------------------------------------------
+// ---- AVX2 and AVX-512 row routines ------------------------------------------------------------------
 // The same formulas as the reference routines above, 8 lanes at a time: bytes widened to i32 lanes
 // (vpmovzxbd/vpmovsxbd from memory), nibbles split with and/shift, converted exactly to f32, then the same
 // multiplies in the same order. Where the reference adds or subtracts after a product (Q4_1, Q4_K), that
 // product is exact (see the top of this file), so the fused multiply-add used here rounds identically.
 // The f16 scales are converted with F16C, exact for every f16 (subnormals included).
-// Used when the GEMM runs its AVX-512 or AVX2 kernel set (gemm::set_isa("portable") selects the reference).
+// Chosen like the GEMM's kernel set (gemm::isa_name(): avx512, avx2, or portable = the reference routines).
 #if TALLOW_DEQ_AVX2
 #define TALLOW_AVX2_FN __attribute__((target("avx2,fma,f16c")))
 
@@ -448,16 +448,164 @@ RowFn avx2_row_fn(DType t) {
   }
 }
 #undef TALLOW_AVX2_FN
+
+// ---- AVX-512 row routines: the AVX2 ones 16 lanes at a time (one xmm of bytes widens to one zmm) -------
+#define TALLOW_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+TALLOW_AVX512_FN static inline __m512i u8x16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+TALLOW_AVX512_FN static inline __m512i i8x16(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+TALLOW_AVX512_FN void deq_q4_0_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  const __m512i m4 = _mm512_set1_epi32(0x0F), k8 = _mm512_set1_epi32(8);
+  for (int64_t b = 0; b < nb; ++b, x += 18, y += 32) {
+    const __m512 d = _mm512_set1_ps(f16_avx2(x));
+    const __m512i a = u8x16(x + 2);
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(a, m4), k8)), d));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(a, 4), k8)), d));
+  }
+}
+
+TALLOW_AVX512_FN void deq_q4_1_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  const __m512i m4 = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < nb; ++b, x += 20, y += 32) {
+    const __m512 d = _mm512_set1_ps(f16_avx2(x)), m = _mm512_set1_ps(f16_avx2(x + 2));
+    const __m512i a = u8x16(x + 4);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, m4)), d, m));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d, m));
+  }
+}
+
+template <bool kMin>
+TALLOW_AVX512_FN void deq_q5_x_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  constexpr int kTs = kMin ? 24 : 22, kQh = kMin ? 4 : 2;
+  const __m512i m4 = _mm512_set1_epi32(0x0F), k16 = _mm512_set1_epi32(16);
+  for (int64_t b = 0; b < nb; ++b, x += kTs, y += 32) {
+    const __m512 d = _mm512_set1_ps(f16_avx2(x));
+    const __m512 m = kMin ? _mm512_set1_ps(f16_avx2(x + 2)) : _mm512_setzero_ps();
+    uint32_t qh;
+    std::memcpy(&qh, x + kQh, 4);
+    const __m512i a = u8x16(x + kQh + 4);
+    // Bit j of qh sets bit 4 of element j: lanes of the low nibbles take bits 0-15, the high ones 16-31.
+    const __m512i lo = _mm512_mask_or_epi32(_mm512_and_si512(a, m4), (__mmask16)(qh & 0xFFFF), _mm512_and_si512(a, m4), k16);
+    const __m512i hi = _mm512_mask_or_epi32(_mm512_srli_epi32(a, 4), (__mmask16)(qh >> 16), _mm512_srli_epi32(a, 4), k16);
+    if constexpr (kMin) {
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m));
+      _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m));
+    } else {
+      _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, k16)), d));
+      _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, k16)), d));
+    }
+  }
+}
+
+template <int kTypeSize, int kQsOffset>
+TALLOW_AVX512_FN void deq_q8_x_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += kTypeSize, y += 32) {
+    const __m512 d = _mm512_set1_ps(f16_avx2(x));
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(i8x16(x + kQsOffset)), d));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(i8x16(x + kQsOffset + 16)), d));
+  }
+}
+
+TALLOW_AVX512_FN void deq_q8_k_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 292, y += 256) {
+    const __m512 d = _mm512_set1_ps(load_f32(x));
+    for (int v = 0; v < 16; ++v)
+      _mm512_storeu_ps(y + 16 * v, _mm512_mul_ps(_mm512_cvtepi32_ps(i8x16(x + 4 + 16 * v)), d));
+  }
+}
+
+template <bool kQ5>
+TALLOW_AVX512_FN void deq_q45_k_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  constexpr int kTs = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
+  const __m512i m4 = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
+  for (int64_t b = 0; b < nb; ++b, x += kTs, y += 256) {
+    const float d = f16_avx2(x), dmin = f16_avx2(x + 2);
+    const uint8_t* scales = x + 4;
+    const uint8_t* qh = x + 16;
+    const uint8_t* qs = x + kQs;
+    for (int g = 0; g < 4; ++g) {
+      int sc1, m1, sc2, m2;
+      scale_min_k4(scales, 2 * g, sc1, m1);
+      scale_min_k4(scales, 2 * g + 1, sc2, m2);
+      const __m512 d1 = _mm512_set1_ps(d * (float)sc1), dm1 = _mm512_set1_ps(dmin * (float)m1);
+      const __m512 d2 = _mm512_set1_ps(d * (float)sc2), dm2 = _mm512_set1_ps(dmin * (float)m2);
+      const uint8_t* q = qs + 32 * g;
+      float* out = y + 64 * g;
+      for (int l = 0; l < 32; l += 16) {
+        const __m512i a = u8x16(q + l);
+        __m512i lo = _mm512_and_si512(a, m4), hi = _mm512_srli_epi32(a, 4);
+        if constexpr (kQ5) {
+          const __m512i h = u8x16(qh + l);
+          lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * g), one), 4));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * g + 1), one), 4));
+        }
+        _mm512_storeu_ps(out + l, _mm512_fmsub_ps(d1, _mm512_cvtepi32_ps(lo), dm1));
+        _mm512_storeu_ps(out + l + 32, _mm512_fmsub_ps(d2, _mm512_cvtepi32_ps(hi), dm2));
+      }
+    }
+  }
+}
+
+TALLOW_AVX512_FN void deq_q6_k_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  const __m512i m4 = _mm512_set1_epi32(0x0F), m30 = _mm512_set1_epi32(0x30), k32 = _mm512_set1_epi32(32);
+  for (int64_t b = 0; b < nb; ++b, x += 210, y += 256) {
+    const float d = f16_avx2(x + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(x + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = x + 64 * h;
+      const uint8_t* qh = x + 128 + 32 * h;
+      float* out = y + 128 * h;
+      for (int k = 0; k < 2; ++k) {  // l in [16k, 16k + 16): one zmm, one scale per output group
+        const int l = 16 * k;
+        const __m512 s1 = _mm512_set1_ps(d * (float)sc[8 * h + k]), s2 = _mm512_set1_ps(d * (float)sc[8 * h + k + 2]);
+        const __m512 s3 = _mm512_set1_ps(d * (float)sc[8 * h + k + 4]), s4 = _mm512_set1_ps(d * (float)sc[8 * h + k + 6]);
+        const __m512i a = u8x16(ql + l), c = u8x16(ql + l + 32), hb = u8x16(qh + l);
+        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi32(hb, 4), m30));
+        const __m512i q2 = _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_and_si512(_mm512_slli_epi32(hb, 2), m30));
+        const __m512i q3 = _mm512_or_si512(_mm512_srli_epi32(a, 4), _mm512_and_si512(hb, m30));
+        const __m512i q4 = _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_and_si512(_mm512_srli_epi32(hb, 2), m30));
+        _mm512_storeu_ps(out + l, _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, k32))));
+        _mm512_storeu_ps(out + l + 32, _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_sub_epi32(q2, k32))));
+        _mm512_storeu_ps(out + l + 64, _mm512_mul_ps(s3, _mm512_cvtepi32_ps(_mm512_sub_epi32(q3, k32))));
+        _mm512_storeu_ps(out + l + 96, _mm512_mul_ps(s4, _mm512_cvtepi32_ps(_mm512_sub_epi32(q4, k32))));
+      }
+    }
+  }
+}
+
+RowFn avx512_row_fn(DType t) {
+  switch (t) {
+    case DType::Q4_0: return deq_q4_0_avx512;
+    case DType::Q4_1: return deq_q4_1_avx512;
+    case DType::Q5_0: return deq_q5_x_avx512<false>;
+    case DType::Q5_1: return deq_q5_x_avx512<true>;
+    case DType::Q8_0: return deq_q8_x_avx512<34, 2>;
+    case DType::Q8_1: return deq_q8_x_avx512<36, 4>;
+    case DType::Q4_K: return deq_q45_k_avx512<false>;
+    case DType::Q5_K: return deq_q45_k_avx512<true>;
+    case DType::Q6_K: return deq_q6_k_avx512;
+    case DType::Q8_K: return deq_q8_k_avx512;
+    default: return nullptr;
+  }
+}
+#undef TALLOW_AVX512_FN
 #endif  // TALLOW_DEQ_AVX2
 
 RowFn reference_row_fn(DType t);
 
-// The row routine for dtype t: the AVX2 one where this CPU and the GEMM's kernel-set choice allow,
-// else the reference.
+// The row routine for dtype t: the AVX-512 or AVX2 one when the GEMM runs that kernel set (its run-time
+// choice for this CPU, or gemm::set_isa), else (portable, or Q2_K / Q3_K) the reference.
 RowFn row_fn(DType t) {
 #if TALLOW_DEQ_AVX2
-  if (std::strcmp(gemm::isa_name(), "portable") != 0)
-    if (const RowFn f = avx2_row_fn(t)) return f;
+  const char* isa = gemm::isa_name();
+  if (isa[0] == 'a') {  // "avx512" or "avx2"
+    if (const RowFn f = std::strcmp(isa, "avx512") == 0 ? avx512_row_fn(t) : avx2_row_fn(t)) return f;
+  }
 #endif
   return reference_row_fn(t);
 }

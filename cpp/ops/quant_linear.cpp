@@ -162,11 +162,14 @@ Tensor dequant_linear(const Tensor& x, const Tensor& w, const std::optional<Tens
   };
 
   const int threads = get_num_threads();
-  if (M <= kFusedMaxM) {
+  int64_t fused_max = kFusedMaxM;
+  if (const char* e = std::getenv("TALLOW_QL_FUSED")) fused_max = std::atoi(e);  // EXPERIMENT
+  if (M <= fused_max) {
     // Decode: each thread dequantizes a small tile and runs the GEMM's dot-product path on it at once,
     // while it is in L1/L2 (gemm::run runs inline on a pool thread). Every output is then summed as in
     // linear(x, dequantize(w)), whatever the tiling: bit-identical to it.
-    const int64_t R = tile_rows(K, N, threads);
+    int64_t R = tile_rows(K, N, threads);
+    if (const char* e = std::getenv("TALLOW_QL_R")) R = std::atoi(e);  // EXPERIMENT
     const int64_t ntiles = ceil_div(N, R);
     // Tiles per chunk of the pool: below ~64K multiply-adds a chunk, waking threads costs more than it saves.
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, R * K * std::max<int64_t>(M, 4)));
@@ -174,8 +177,9 @@ Tensor dequant_linear(const Tensor& x, const Tensor& w, const std::optional<Tens
       float* buf = tile_buffer(R * K);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * R, nr = std::min(R, N - n0);
-        dequant_rows(n0, nr, buf);
-        gemm_tile(n0, nr, buf);
+        static const int skip = std::getenv("TALLOW_QL_SKIP") ? std::atoi(std::getenv("TALLOW_QL_SKIP")) : 0;  // EXPERIMENT
+        if (skip != 2) dequant_rows(n0, nr, buf);
+        if (skip != 1) gemm_tile(n0, nr, buf);
       }
     });
   } else {

@@ -84,10 +84,6 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
     """The config file does not exist."""
 
 
-def _supported_list() -> str:
-    return ", ".join(SUPPORTED_FAMILIES) + " (and yi as llama)"
-
-
 # ------------------------------------------------------------------------------------------------
 # RoPE
 # ------------------------------------------------------------------------------------------------
@@ -221,6 +217,7 @@ class FamilyConfig:
     gguf_permuted_qk = False  # convert_hf_to_gguf permutes q/k rows (LlamaModel.permute): undo
     gguf_norm_shifted = False  # convert_hf_to_gguf stores norm weights as 1 + w: undo
     gguf_hidden_act = "silu"
+    checkpoint_fused: tuple[str, ...] = ()  # fused layers its checkpoints store as one tensor (Phi-3: qkv_proj)
     gguf_written_as: str | None = None  # llama.cpp converts this family's checkpoints as another architecture
     tool_parser: str | None = None  # server/tool_parsers.py's parser when the chat template does not tell
     norm_type = "rms_norm"  # or "layer_norm"

@@ -110,6 +110,11 @@ FAMILY_CASES = [
          features="fused qkv_proj and gate_up_proj, LongRoPE (short and long factors), partial rotary, "
                   "sliding window",
          examples="Phi-3, Phi-3.5, Phi-4-mini"),
+    Case("gemma", "gemma", "GemmaForCausalLM",
+         dict(tie_word_embeddings=True, hidden_act="gelu"), gguf_arch="gemma",
+         features="(1 + w) RMSNorms, sqrt(hidden) embedding scale, GeGLU (tanh; legacy hidden_act \"gelu\"), "
+                  "tied embeddings",
+         examples="Gemma 2B, 7B; CodeGemma"),
     Case("gemma2", "gemma2", "Gemma2ForCausalLM",
          dict(tie_word_embeddings=True, query_pre_attn_scalar=16, sliding_window=WINDOW,
               attn_logit_softcapping=1.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
@@ -364,14 +369,14 @@ def write_gguf(case: Case, hf_cfg, sd: dict[str, np.ndarray], path, quantize: bo
         for ln, n in (("q_layernorm", n_head), ("k_layernorm", n_kv)):
             if p + f"{ln}.norms.0.weight" in sd:
                 sd[p + f"{ln}.weight"] = np.stack([sd.pop(p + f"{ln}.norms.{h}.weight") for h in range(n)])
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma", "gemma2", "gemma3"):
         sd.pop("lm_head.weight", None)
     for name, data in sd.items():
         if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("q_proj.bias")):
             data = _permute(data, n_head)
         if arch == "llama" and (name.endswith("k_proj.weight") or name.endswith("k_proj.bias")):
             data = _permute(data, n_kv)
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + np.float32(1)
         new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, f"gguf has no name for {name}"

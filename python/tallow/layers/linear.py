@@ -173,6 +173,8 @@ class LinearBase(Module):
             yield self.bias, self.prefix + ".bias", "bias", self.input_size
 
     def process_weights_after_loading(self) -> None:
+        if self.split_input and self.tp_rank > 0:
+            self.bias = None  # row-parallel: rank 0 adds the bias once, before (after) the all-reduce
         self.quant_method.process_weights_after_loading(self)
 
     # -- running ----------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ projection, and for some architectures changes values:
 
 Everything else is a zero-copy view of the mapped file. Architectures whose convert does no
 permutation (qwen2/3, qwen2moe/3moe, phi3, gemma2/3, stablelm, glm4) keep their q/k as stored.
+
+Which family needs which fix, and its tensor names, is declared in the family's file
+(tallow/models/<family>.py: gguf_tensor_names, gguf_permuted_qk, gguf_norm_shifted, rope_neox) and read
+through the registry; this module holds llama.cpp's common names and the fixes themselves. Tensors stay
+in their stored (block) types: the model's GGUF quantization method keeps them so.
 """
 from __future__ import annotations
 

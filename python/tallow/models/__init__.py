@@ -107,14 +107,20 @@ def checkpoint_names(cfg: ModelConfig) -> dict[str, tuple]:
     from tallow.layers.linear import LinearBase
     from tallow.layers.module import modules
 
-    model = model_class(cfg.family)(cfg, tallow.float32, 1)
+    cls = model_class(cfg.family)
+    model = cls(cfg, tallow.float32, 1)
     out = {}
     for m in modules(model):
+        fused = isinstance(m, LinearBase) and m.fused_name is not None and \
+            m.fused_name.rsplit(".", 1)[-1] in cls.checkpoint_fused
         for name, (param, shard) in m.checkpoint_map().items():
             t = getattr(m, param)
             if isinstance(m, LinearBase):
-                if shard is None and len(m.part_names) > 1:
-                    continue  # the fused alternative name
+                if (shard is None and len(m.part_names) > 1) != fused:
+                    continue  # the names this family's checkpoints do not use
+                if fused:
+                    out[name] = tuple(t.shape)
+                    continue
                 rows = m.output_sizes[shard or 0]
                 out[name] = (rows, m.input_size) if param == "weight" else (rows,)
             elif shard is not None:

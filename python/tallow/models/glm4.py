@@ -17,6 +17,7 @@ class Glm4ForCausalLM(DecoderForCausalLM):
     gguf_tensor_names = {"glm4": {**COMMON_LAYER, "ffn_up": "mlp.gate_up_proj",  # gate and up fused
                                   "post_attention_norm": "post_self_attn_layernorm",
                                   "post_ffw_norm": "post_mlp_layernorm"}}
+    checkpoint_fused = ("gate_up_proj",)
     rope_neox = False
 
     attn_norm = "input_layernorm"

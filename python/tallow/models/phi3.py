@@ -15,3 +15,4 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     gguf_architectures = ("phi3",)
     config_defaults = {"phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}}
     gguf_tensor_names = {"phi3": {**COMMON_LAYER, "ffn_up": "mlp.gate_up_proj"}}  # gate and up fused
+    checkpoint_fused = ("qkv_proj", "gate_up_proj")

@@ -46,7 +46,7 @@ def copy_into(dst: tallow.Tensor, src: tallow.Tensor) -> None:
         else:
             raise ValueError(f"shape {list(src.shape)} does not fit the parameter's {list(dst.shape)}")
     if src.device != dst.device:
-        src = src.to(dst.device)
+        src = (src if src.is_contiguous() else src.contiguous()).to(dst.device)
     if src.dtype != dst.dtype:
         src = src.to(dst.dtype)
     dst.copy_(src)

@@ -113,11 +113,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
         if x.device == "cpu" and layer.weight_parts is None:
             dl = _dequant_linear_op()
             if dl is not None:
-                y = dl(x, layer.weight, layer.bias)
-                if out is not None:
-                    out.copy_(y)
-                    return out
-                return y
+                return dl(x, layer.weight, layer.bias, out=out)
         return ops.linear(x, self.dequantized(layer, x.dtype), layer.bias, out=out)
 
     def apply_gated(self, layer, x: tallow.Tensor, activation: str, out=None) -> tallow.Tensor:
