@@ -2,7 +2,7 @@
 # CI compile check for the CUDA backend (no GPU needed): when nvcc is present, configure with
 # TALLOW_CUDA=ON for sm_90 only, taking cuBLAS headers/libraries from the nvidia-cublas wheel
 # (installed into the active Python environment if missing), and build the core library and the
-# extension, so every cuda/*.cu, cuda/*.cpp and the CUDA dispatch in cpp/ops compile. Prints a
+# extension, so every cuda/*.cu, cuda/*.cpp (the op table in backend.cpp) and cuda/python compile. Prints a
 # skip line and exits 0 when nvcc is absent. Usage: bash tests/cuda_compile_check.sh [build dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,6 @@
 #include "ops/quant_linear.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "core/parallel.h"
 #include "ops/cast.h"
@@ -63,18 +62,24 @@ bool merged_row_stride(const Tensor& x, int64_t* stride) {
   return true;
 }
 
-// At most this many rows of x: fused per-thread tiles (the GEMM's dot-product path); above, wide tiles.
+// At most this many rows of x: the GEMM's dot-product path (decode); above it, its packed path.
 constexpr int64_t kFusedMaxM = 16;
-constexpr int64_t kWideTileBytes = int64_t(4) << 20;
 
-// Rows of W per fused tile: ~48 KiB of f32, so the tile is read back from L1/L2 right after it is written;
-// a multiple of 8 (the dot-product path's row groups), and at least ~4 tiles per thread where N allows.
-int64_t tile_rows(int64_t K, int64_t N, int threads) {
-  int64_t r = (int64_t(48) << 10) / (4 * std::max<int64_t>(K, 1));
-  r = std::clamp<int64_t>(r / 8 * 8, 8, 64);
-  const int64_t want = 4 * (int64_t)threads;
-  if (threads > 1 && ceil_div(N, r) < want) r = std::max<int64_t>(8, ceil_div(ceil_div(N, want), 8) * 8);
-  return r;
+// Rows of W per tile, a multiple of 8. M <= 16: ~48 KiB of f32 (8-64 rows), so the tile is read back
+// from L1/L2 right after it is written, and at least ~4 tiles per thread where N allows. M > 16: up to
+// 128 rows (<= ~1 MiB, L2) so packing x once per tile stays a small share of the tile's flops, at least 24
+// rows, and a tile count that is a multiple of the thread count, so the threads finish together.
+int64_t tile_rows(int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t k4 = 4 * std::max<int64_t>(K, 1);
+  if (M <= kFusedMaxM) {
+    int64_t r = std::clamp<int64_t>((int64_t(48) << 10) / k4 / 8 * 8, 8, 64);
+    const int64_t want = 4 * (int64_t)threads;
+    if (threads > 1 && ceil_div(N, r) < want) r = std::max<int64_t>(8, ceil_div(ceil_div(N, want), 8) * 8);
+    return r;
+  }
+  const int64_t rmax = std::clamp<int64_t>((int64_t(1) << 20) / k4 / 8 * 8, 24, 128);
+  const int64_t ntiles = ceil_div(ceil_div(N, rmax), (int64_t)threads) * threads;
+  return std::max<int64_t>(24, ceil_div(ceil_div(N, ntiles), 8) * 8);
 }
 
 }  // namespace
@@ -162,44 +167,21 @@ Tensor dequant_linear(const Tensor& x, const Tensor& w, const std::optional<Tens
   };
 
   const int threads = get_num_threads();
-  int64_t fused_max = kFusedMaxM;
-  if (const char* e = std::getenv("TALLOW_QL_FUSED")) fused_max = std::atoi(e);  // EXPERIMENT
-  if (M <= fused_max) {
-    // Decode: each thread dequantizes a small tile and runs the GEMM's dot-product path on it at once,
-    // while it is in L1/L2 (gemm::run runs inline on a pool thread). Every output is then summed as in
-    // linear(x, dequantize(w)), whatever the tiling: bit-identical to it.
-    int64_t R = tile_rows(K, N, threads);
-    if (const char* e = std::getenv("TALLOW_QL_R")) R = std::atoi(e);  // EXPERIMENT
-    const int64_t ntiles = ceil_div(N, R);
-    // Tiles per chunk of the pool: below ~64K multiply-adds a chunk, waking threads costs more than it saves.
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, R * K * std::max<int64_t>(M, 4)));
-    parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-      float* buf = tile_buffer(R * K);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * R, nr = std::min(R, N - n0);
-        static const int skip = std::getenv("TALLOW_QL_SKIP") ? std::atoi(std::getenv("TALLOW_QL_SKIP")) : 0;  // EXPERIMENT
-        if (skip != 2) dequant_rows(n0, nr, buf);
-        if (skip != 1) gemm_tile(n0, nr, buf);
-      }
-    });
-  } else {
-    // Prefill: W is dequantized a wide tile at a time (~kWideTileBytes of f32, all threads) and each tile
-    // is one GEMM on all threads, so the GEMM's own blocking and packing see few, wide problems. A last
-    // tile of <= 16 rows joins the one before it: a tile that narrow would take the GEMM's transposed
-    // dot-product path, which sums in another order, and results would depend on the tile width.
-    int64_t RB = std::max<int64_t>(64, kWideTileBytes / (4 * std::max<int64_t>(K, 1)) / 32 * 32);
-    if (const char* e = std::getenv("TALLOW_QL_RB")) RB = std::atoi(e);
-    int64_t ntiles = ceil_div(N, RB);
-    if (ntiles > 1 && N - (ntiles - 1) * RB <= 16) --ntiles;
-    const int64_t width = ntiles == 1 ? N : std::max(RB, N - (ntiles - 1) * RB);
-    float* buf = tile_buffer(width * K);
-    const int64_t rgrain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(K, 1));
-    for (int64_t t = 0; t < ntiles; ++t) {
-      const int64_t n0 = t * RB, nr = t == ntiles - 1 ? N - n0 : RB;
-      parallel_for(0, nr, rgrain, [&](int64_t r0, int64_t r1) { dequant_rows(n0 + r0, r1 - r0, buf + r0 * K); });
+  const int64_t R = tile_rows(M, N, K, threads);
+  int64_t ntiles = ceil_div(N, R);
+  // Above 16 rows of x a tile of <= 16 rows of W would switch the GEMM to its transposed dot-product
+  // path, another summation order: a short last tile joins the one before it (the buffer has room).
+  if (M > kFusedMaxM && ntiles > 1 && N - (ntiles - 1) * R <= 16) --ntiles;
+  // Tiles per chunk of the pool: below ~64K multiply-adds a chunk, waking threads costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, R * K * std::max<int64_t>(M, 4)));
+  parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    float* buf = tile_buffer((R + 16) * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * R, nr = t == ntiles - 1 ? N - n0 : R;
+      dequant_rows(n0, nr, buf);
       gemm_tile(n0, nr, buf);
     }
-  }
+  });
 
   if (f32) return o;
   o.copy_(cast(o32, x.dtype()));

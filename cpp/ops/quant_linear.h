@@ -1,16 +1,21 @@
 // dequant_linear: x [..., K] @ dequantize(w [N, K])^T (+ bias [N]) on the CPU with w kept in its GGUF block
 // format (q4_0 ... q8_k; a float w is plain linear), so quantized checkpoints stay quantized in memory.
 //
-// Design. W is walked in tiles of R rows x K (R a multiple of 8; ~48 KiB of f32 for decode-sized M, 64-128
-// rows for prefill-sized M). Each thread of the pool takes whole tiles: it dequantizes the tile's rows with
-// the block dtype's row routine (dequant.cpp; AVX2 for the common types, bit-exact with ggml) into a
-// thread-local, cache-resident f32 buffer and at once runs the existing GEMM (gemm::run) on that tile
-// and the matching output columns: for M <= 16 its GEMV path (dot products over the still-hot rows), above
-// it the packed BLIS path. The f32 weight never exists as a whole: extra memory is one tile per thread.
-// Every output is one dot product over the full K in the GEMM's order, so results do not depend on the
-// tile size or the thread count. x (and bias, out) may be f32, f16 or bf16: f16/bf16 are widened to f32
-// once, accumulated in f32 and rounded once to x's dtype, like linear. CPU only: on another device this
-// raises, naming the op and the device (the CUDA caller composes dequantize and linear).
+// Design. W is dequantized tile by tile into thread-local f32 buffers (never as a whole: the extra memory is
+// one tile, <= ~1 MiB, per thread) by the block dtype's row routine (dequant.cpp: AVX-512 / AVX2 for every type but
+// Q2_K / Q3_K, bit-exact with ggml, chosen like the GEMM's kernel set), and each tile is one gemm::run over
+// the matching output columns:
+//  * M <= 16 rows of x (decode): tiles of ~48 KiB (8-64 rows of W), the pool's threads taking whole tiles;
+//    each thread dequantizes a tile and at once runs the GEMM's dot-product path on it (inline on that
+//    thread) while it is in L1/L2. W is read once, at its quantized size. The outputs are summed exactly
+//    as linear(x, dequantize(w)) sums them: bit-identical to it, for any tiling or thread count.
+//  * M > 16 (prefill): tiles of up to 128 rows (<= ~1 MiB), as many as a multiple of the thread count;
+//    each thread runs the GEMM's packed path on its own tiles (one pool region per call, tiles taken
+//    dynamically, L2-local). A short last tile joins the previous one (<= 16 rows would switch the GEMM
+//    to its dot-product path, another summation order), so results do not depend on the thread count.
+// x (and bias, out) may be f32, f16 or bf16: f16/bf16 are widened to f32 once, accumulated in f32 and
+// rounded once to x's dtype, like linear. CPU only: another device raises an error naming the op and the
+// device (the CUDA caller composes dequantize and linear).
 #pragma once
 #include <optional>
 

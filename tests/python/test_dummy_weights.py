@@ -222,3 +222,21 @@ def test_cuda_dummy_equals_cpu_dummy():
         assert gpu[k].device == "cuda:0"
         np.testing.assert_array_equal(np.asarray(gpu[k].to("cpu").numpy(raw=True)),
                                       np.asarray(cpu[k].numpy(raw=True)), err_msg=k)
+
+
+def test_missing_and_undeclared_weights_are_named():
+    """A checkpoint without a tensor the model declares fails with the loader's MissingWeightError text
+    naming it (under the checkpoint's unfused name); one with a bias the config does not declare fails
+    instead of being dropped."""
+    from tallow.layers.names import MissingWeightError
+
+    cfg = cfg_of("llama")
+    w = dict(dummy_weights(cfg, tallow.float32, "cpu"))
+    w.pop("model.layers.1.mlp.gate_up_proj.weight")
+    with pytest.raises(MissingWeightError, match=r"the checkpoint has no weight 'model\.layers\.1\.mlp\.gate_proj\.weight' "
+                                                 r"\(a different architecture, or an incomplete download\?\)"):
+        build_model(cfg, w, tallow.float32)
+    w = dict(dummy_weights(cfg, tallow.float32, "cpu"))
+    w["model.layers.0.self_attn.o_proj.bias"] = tallow.from_numpy(np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.bias', which this llama config does not"):
+        build_model(cfg, w, tallow.float32)

@@ -44,7 +44,9 @@ def make_hf(arch: str, rng) -> dict[str, np.ndarray]:
     """A random Hugging Face state dict (float32) for `arch` ("llama_moe" = Mixtral as llama)."""
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     sd = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": _norm_values(rng, HIDDEN)}
-    if arch not in ("gemma2", "gemma3"):
+    gguf_arch = "llama" if arch == "llama_moe" else arch
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == gguf_arch)
+    if gguf.MODEL_TENSOR.OUTPUT in gguf.MODEL_TENSORS[arch_id]:  # gemma's convert writes no lm_head (tied)
         sd["lm_head.weight"] = r(VOCAB, HIDDEN)
     q_rows, kv_rows = N_HEAD * HEAD_DIM, N_KV * HEAD_DIM
     for i in range(N_LAYER):
@@ -144,12 +146,16 @@ def convert(arch: str, sd: dict[str, np.ndarray], path, type_fn=None) -> dict[st
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_KV)
     writer.add_key_length(HEAD_DIM)
+    # what llama.cpp's convert does to this architecture, as the family file declares it
+    from tallow.models.registry import family_for_gguf
+
+    fam = family_for_gguf(gguf_arch)
     for name, data in sd.items():
-        if gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if fam.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = hf_permute(data, N_HEAD, N_HEAD)
-        if gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        if fam.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = hf_permute(data, N_HEAD, N_KV)
-        if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        if fam.gguf_norm_shifted and name.endswith("norm.weight"):
             data = data + 1
         new_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new_name is not None, f"gguf has no name for {name}"

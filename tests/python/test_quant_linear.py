@@ -2,7 +2,8 @@
 
 Weights: random floats quantized with the gguf package (gguf.quants.quantize) where it has a quantizer
 (q4_0, q4_1, q5_0, q5_1, q8_0); for the types it can only dequantize (k-quants) and the two it lacks
-(q8_1, q8_k) random blocks with scale fields of realistic magnitude. Inputs are fresh random normals
+(q8_1, q8_k) random blocks with scale fields of realistic magnitude. Each product test runs on the
+default CPU kernel set, on avx2 and on portable (the scalar reference row routines) where available. Inputs are fresh random normals
 every run (the `rng` fixture prints its seed).
 
 Error bound, per output element: |out - ref| <= 4 * K * 2^-24 * (|x| @ |dequant(w)|^T), ref the float64
@@ -94,7 +95,7 @@ def check(out, x64, wref, bias=None, dtype_eps=0.0):
     return float(np.max(err / bound))
 
 
-@pytest.fixture(params=["default", "portable"])
+@pytest.fixture(params=["default", "avx2", "portable"])
 def isa(request):
     first = _core._cpu_isa()
     if request.param != "default" and not _core._set_cpu_isa(request.param):
@@ -122,6 +123,25 @@ def test_dequant_linear_every_type(name, M, rng, isa):
     check(out_nb.numpy(), x.astype(np.float64), wref)
     if M <= 16:
         np.testing.assert_array_equal(out_nb.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_row_routines_bit_exact_any_scale(name, rng, isa):
+    # Random bytes with scales from f16 subnormals (2^-20) to ~8, both signs, some zeros (as
+    # test_dequant.py): every vectorized row routine matches gguf's dequantizer bit for bit.
+    bs, ts, f16_at, f32_at = BLOCKS[name]
+    rows, nb = 7, (4096 + 1280) // bs
+    raw = rng.integers(0, 256, size=(rows, nb, ts), dtype=np.uint8)
+    n = rows * nb
+    for off in f16_at:
+        v = rng.standard_normal(n) * np.exp2(rng.integers(-20, 3, size=n))
+        v[rng.random(n) < 0.02] = 0.0
+        raw[:, :, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    for off in f32_at:
+        v = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 3, size=n))).astype(np.float32)
+        raw[:, :, off:off + 4] = v.view(np.uint8).reshape(rows, nb, 4)
+    raw = raw.reshape(rows, -1)
+    np.testing.assert_array_equal(ops.dequantize(block_tensor(raw, name)).numpy(), reference_dequant(raw, name))
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_k"])
