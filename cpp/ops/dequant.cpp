@@ -286,10 +286,12 @@ TALLOW_SIMD_CLONES void deq_q8_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW
 using RowFn = void (*)(const uint8_t*, float*, int64_t);
 
 // ---- AVX2 and AVX-512 row routines ------------------------------------------------------------------
-// The same formulas as the reference routines above, 8 lanes at a time: bytes widened to i32 lanes
-// (vpmovzxbd/vpmovsxbd from memory), nibbles split with and/shift, converted exactly to f32, then the same
-// multiplies in the same order. Where the reference adds or subtracts after a product (Q4_1, Q4_K), that
-// product is exact (see the top of this file), so the fused multiply-add used here rounds identically.
+// The same formulas as the reference routines above, 8 (AVX2) or 16 (AVX-512) lanes at a time: bytes
+// widened to i32 lanes (vpmovzxbd / vpmovsxbd), nibbles split with and/shift (Q5 high bits: shifts, or
+// mask registers on AVX-512), converted exactly to f32, then the same multiplies in the same order. Where
+// the reference adds or subtracts after a product (Q4_1, Q5_1, Q4_K, Q5_K), that product is exact (see
+// the top of this file), so the fused multiply-add used here rounds identically. Q2_K / Q3_K keep the
+// compiler-vectorized reference routines.
 // The f16 scales are converted with F16C, exact for every f16 (subnormals included).
 // Chosen like the GEMM's kernel set (gemm::isa_name(): avx512, avx2, or portable = the reference routines).
 #if TALLOW_DEQ_AVX2

@@ -12,7 +12,9 @@
 //  * M > 16 (prefill): tiles of up to 128 rows (<= ~1 MiB), as many as a multiple of the thread count;
 //    each thread runs the GEMM's packed path on its own tiles (one pool region per call, tiles taken
 //    dynamically, L2-local). A short last tile joins the previous one (<= 16 rows would switch the GEMM
-//    to its dot-product path, another summation order), so results do not depend on the thread count.
+//    to its dot-product path, another summation order). The packed path sums each output over K in the
+//    same order whatever the column range, so here too the result is bit-identical to
+//    linear(x, dequantize(w)) and independent of the thread count (tests/python/test_quant_linear.py).
 // x (and bias, out) may be f32, f16 or bf16: f16/bf16 are widened to f32 once, accumulated in f32 and
 // rounded once to x's dtype, like linear. CPU only: another device raises an error naming the op and the
 // device (the CUDA caller composes dequantize and linear).

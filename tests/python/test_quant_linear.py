@@ -8,8 +8,8 @@ every run (the `rng` fixture prints its seed).
 
 Error bound, per output element: |out - ref| <= 4 * K * 2^-24 * (|x| @ |dequant(w)|^T), ref the float64
 product of the same f32 operands (the worst-case bound of an f32 sum of K products is K * 2^-24 times
-that; in practice it lands ~sqrt(K) lower); f16 / bf16 outputs add one rounding of |ref|. For M <= 16
-(the GEMM's dot-product path, whatever the tile) the result is also bit-identical to linear(x, dequantize(w)).
+that; in practice it lands ~sqrt(K) lower); f16 / bf16 outputs add one rounding of |ref|. The result is
+also bit-identical to linear(x, dequantize(w)): the tiles never change how an output is summed.
 """
 import numpy as np
 import pytest
@@ -121,8 +121,9 @@ def test_dequant_linear_every_type(name, M, rng, isa):
     np.testing.assert_array_equal(ops.dequantize(w).numpy(), wref)
     out_nb = ops.dequant_linear(tallow.tensor(x), w)
     check(out_nb.numpy(), x.astype(np.float64), wref)
-    if M <= 16:
-        np.testing.assert_array_equal(out_nb.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
+    # Each output is summed as linear sums it (dot-product path for M <= 16, packed path above, whatever
+    # the tiles): bit-identical to linear on the dequantized weight.
+    np.testing.assert_array_equal(out_nb.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -152,8 +153,10 @@ def test_dequant_linear_model_shapes(name, M, rng):
     K, N = (768, 1000) if bs == 32 else (1536, 517)
     raw, wref = make_weight(rng, name, N, K)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    out = ops.dequant_linear(tallow.tensor(x), block_tensor(raw, name))
+    w = block_tensor(raw, name)
+    out = ops.dequant_linear(tallow.tensor(x), w)
     check(out.numpy(), x.astype(np.float64), wref)
+    np.testing.assert_array_equal(out.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
 
 
 @pytest.mark.parametrize("M", [1, 3, 17, 100])
