@@ -6,8 +6,8 @@ qkv_proj 960 x 576, o_proj 576 x 576, gate_up_proj 3072 x 576, down_proj 576 x 1
 For each projection, row count M and weight type, the time of one call as a model's forward sees it: by
 default the calls cycle over enough copies of the weight (f32 and quantized alike) to overflow the last
 level cache twice (--llc-mb), as a model's 30 layers do; --hot reuses one copy. Weights are random floats
-quantized with the gguf package; x is fixed. Reported: us a call (best of --reps passes, the variants
-timed in turn within each pass so other load hits them alike) and the ratio
+quantized with the gguf package; x is fixed. Reported: us a call (best of --reps passes of equally many
+calls, the variants timed in turn within each repetition so other load hits them alike) and the ratio
 dequant_linear / linear (< 1: the quantized op is faster). The "layer" row sums one decoder layer's four
 projections. JSON lines go to --json when given.
 """
@@ -43,26 +43,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def time_interleaved(variants, reps, min_time=0.03):
-    """Best seconds per call of each variant (fn, args_list), the variants timed in turn within each
-    repetition so that load from other processes hits them alike; each pass cycles over its args_list."""
-    plans = []
-    for fn, args_list in variants:
+def time_interleaved(variants, reps, calls_per_pass=0):
+    """Best seconds per call of each variant (fn, args_list). Every pass makes the same number of calls
+    for each variant (each cycling on through its own args_list, so a weight comes back only after the
+    whole list), the variants in turn within a repetition, so that load from other processes hits them
+    alike; the best pass of each is kept."""
+    calls = calls_per_pass or max(4, min(len(a) for _, a in variants))
+    cursors = [0] * len(variants)
+    for fn, args_list in variants:  # warm up: page in, size the thread-local buffers
         for a in args_list[: min(len(args_list), 4)]:
             fn(*a)
-        t0 = time.perf_counter()
-        for a in args_list:
-            fn(*a)
-        one = time.perf_counter() - t0
-        plans.append((fn, args_list, max(1, int(min_time / max(one, 1e-9)))))
-    best = [float("inf")] * len(plans)
+    best = [float("inf")] * len(variants)
     for _ in range(reps):
-        for i, (fn, args_list, passes) in enumerate(plans):
+        for i, (fn, args_list) in enumerate(variants):
+            n, c = len(args_list), cursors[i]
             t0 = time.perf_counter()
-            for _ in range(passes):
-                for a in args_list:
-                    fn(*a)
-            best[i] = min(best[i], (time.perf_counter() - t0) / (passes * len(args_list)))
+            for k in range(calls):
+                fn(*args_list[(c + k) % n])
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls)
+            cursors[i] = (c + calls) % n
     return best
 
 
@@ -71,7 +70,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,64,256")
     ap.add_argument("--types", default="q4_1,q8_0")
     ap.add_argument("--only", default="", help="projections to time (default: all)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--hot", action="store_true", help="one copy of each weight (cache-hot) instead of cycling")
     ap.add_argument("--llc-mb", type=float, default=36.0, help="last-level cache size to overflow twice")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
