@@ -3,8 +3,6 @@
 #include "ops/quant_linear.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <vector>
 
 #include "core/parallel.h"
 #include "ops/cast.h"
@@ -157,41 +155,16 @@ Tensor dequant_linear(const Tensor& x, const Tensor& w, const std::optional<Tens
       for (int64_t r = 0; r < nr; ++r) dequantize_row_f32(wdt, wbase + row_offset(w, n0 + r) / bs * ts, dst + r * K, K);
     }
   };
-  // Above 16 rows, x is transposed once per call into xT [K, M], and each tile is posed as
-  // out^T[n0 : n0 + nr, :] = tile · xT: both GEMM operands are then packed by plain copies (tile rows as
-  // the A micro-panels, rows of xT as the B panels), where posing out = x · tile^T would transpose either x
-  // or the tile again for every tile.
-  std::vector<float> xT;
-  static const bool tpose = !std::getenv("TALLOW_QL_NOT");  // EXPERIMENT
-  const bool use_xT = tpose && M > kFusedMaxM;
-  if (use_xT) {
-    xT.resize((size_t)(K * M));
-    constexpr int64_t kB = 64;
-    parallel_for(0, ceil_div(K, kB), std::max<int64_t>(1, (int64_t(1) << 15) / (kB * M)), [&](int64_t b0, int64_t b1) {
-      for (int64_t k0 = b0 * kB; k0 < std::min(K, b1 * kB); k0 += kB) {
-        const int64_t k1 = std::min(K, k0 + kB);
-        for (int64_t m0 = 0; m0 < M; m0 += kB)
-          for (int64_t m = m0; m < std::min(M, m0 + kB); ++m)
-            for (int64_t k = k0; k < k1; ++k) xT[(size_t)(k * M + m)] = xp[m * rsa + k];
-      }
-    });
-  }
-  // out[:, n0 : n0 + nr] = x @ tile^T (+ bias[n0 : n0 + nr]) for a dequantized tile of nr rows of W.
+  // out[:, n0 : n0 + nr] = x @ tile^T (+ bias[n0 : n0 + nr]) for a dequantized tile of nr rows of W. (Posing
+  // it as out^T = tile · xT with x transposed once per call, so both operands pack by plain copies, measured
+  // 1.4-1.5x slower at M = 256 than this: the GEMM's own choice of orientation per tile.)
   auto gemm_tile = [&](int64_t n0, int64_t nr, const float* tile) {
     gemm::Problem p;
-    if (!use_xT) {  // the GEMM's dot-product path over the tile's rows
-      p.M = M, p.N = nr, p.K = K;
-      p.a = xp, p.rsa = rsa, p.csa = 1;
-      p.b = tile, p.rsb = 1, p.csb = K;  // B[k, n] = tile row n, element k
-      p.c = op32 + n0, p.rsc = N, p.csc = 1;
-      if (bp) p.bias = bp + n0 * bstride, p.bias_mode = 1, p.bias_stride = bstride;
-    } else {  // out^T tile = tile [nr, K] · xT [K, M]
-      p.M = nr, p.N = M, p.K = K;
-      p.a = tile, p.rsa = K, p.csa = 1;
-      p.b = xT.data(), p.rsb = M, p.csb = 1;
-      p.c = op32 + n0, p.rsc = 1, p.csc = N;
-      if (bp) p.bias = bp + n0 * bstride, p.bias_mode = 2, p.bias_stride = bstride;
-    }
+    p.M = M, p.N = nr, p.K = K;
+    p.a = xp, p.rsa = rsa, p.csa = 1;
+    p.b = tile, p.rsb = 1, p.csb = K;  // B[k, n] = tile row n, element k
+    p.c = op32 + n0, p.rsc = N, p.csc = 1;
+    if (bp) p.bias = bp + n0 * bstride, p.bias_mode = 1, p.bias_stride = bstride;
     gemm::run(gemm::Elt::F32, p);
   };
 

@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the r
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF checkpoints")
 
 from engine_models import write_word_tokenizer  # noqa: E402
+import tallow  # noqa: E402
 from tallow import LLM, SamplingParams  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -225,20 +226,35 @@ def ref(request, tmp_path_factory):
 def run_tallow(model_path: str, prompts, n_new: int = N_NEW, **engine_args):
     """(greedy tokens, first-step logits) per prompt, all prompts in one batch."""
     llm = LLM(model_path, **{**ENGINE_ARGS, **engine_args})
-    first: dict[tuple, np.ndarray] = {}
-    execute = llm.engine.runner.execute
+    first: dict[str, np.ndarray] = {}
+    runner = llm.engine.runner
+    if hasattr(runner, "forward_step"):  # the runner on plain-data steps
+        forward_step = runner.forward_step
 
-    def spy(out, sample_reqs):
-        logits = execute(out, sample_reqs)
-        for i, r in enumerate(sample_reqs):
-            if r.num_output_tokens == 0:
-                first.setdefault(tuple(r.prompt_token_ids), np.array(logits[i], dtype=np.float64))
-        return logits
+        def spy_step(step):
+            logits, states, plp = forward_step(step)
+            if states:
+                rows = np.asarray(logits.to(tallow.float32).numpy())
+                for st, row in zip(states, rows):
+                    if st.num_output_tokens == 0:
+                        first.setdefault(st.request_id, np.array(row, dtype=np.float64))
+            return logits, states, plp
 
-    llm.engine.runner.execute = spy
+        runner.forward_step = spy_step
+    else:
+        execute = runner.execute
+
+        def spy(out, sample_reqs):
+            logits = execute(out, sample_reqs)
+            for i, r in enumerate(sample_reqs):
+                if r.num_output_tokens == 0:
+                    first.setdefault(r.request_id, np.array(logits[i], dtype=np.float64))
+            return logits
+
+        runner.execute = spy
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs], [first[tuple(p)] for p in prompts], llm
+    return [o.outputs[0].token_ids for o in outs], [first[o.request_id] for o in outs], llm
 
 
 def check(tokens, logits, ref_tokens, ref_logits, what):
