@@ -2,7 +2,7 @@
 # Before/after on one GPU machine: builds a baseline source tree (default .baseline/, e.g.
 # `git archive <commit> | tar -x -C .baseline`) and this tree for sm_90 into .ab/base and .ab/new, then
 # runs benchmarks/gpu_e2e.py targets alternately (baseline, this tree, baseline, ...) so both see the
-# same machine. Stages: build, test (this tree's CUDA tests), bench. Logs and JSON under $OUT.
+# same machine. Stages: build, test (this tree's CUDA tests), bench. Builds go to $AB, logs and JSON to $OUT.
 #   bash benchmarks/gpu_ab.sh build test        # one call
 #   bash benchmarks/gpu_ab.sh bench             # the next, on the same warm machine
 # BASE overrides the baseline folder, TARGETS the gpu_e2e targets (default: nanovllm decode8b prefill8b),
@@ -11,12 +11,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tallow-ab}
 BASE=${BASE:-.baseline}
-mkdir -p "$OUT" .ab
+AB=${AB:-/tmp/tallow-ab-builds}  # outside the tree: the device tool prunes files it does not carry
+mkdir -p "$OUT" "$AB"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 STAGES=${*:-build test bench}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # This image's default g++ links libstdc++ statically into shared objects (iostreams then crash).
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
+SITE=""
+if compgen -G ".whl/*.whl" >/dev/null; then  # test-only wheels carried along (e.g. gguf)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && SITE=:/tmp/site
+fi
 rc=0
 build() {  # build SRC DEST
   local start=$(date +%s)
@@ -27,11 +33,12 @@ build() {  # build SRC DEST
 }
 if has build; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-  build "$BASE" "$PWD/.ab/base" || exit 1
-  build . "$PWD/.ab/new" || exit 1
+  for side in ${SIDES:-base new}; do  # SIDES=new builds only this tree
+    build "$([ $side = base ] && echo "$BASE" || echo .)" "$AB/$side" || exit 1
+  done
 fi
 if has test; then
-  (cd tests/python && PYTHONPATH="$PWD/../../.ab/new" timeout 500 python3 -m pytest -q -rfs -p no:cacheprovider -x \
+  (cd tests/python && PYTHONPATH="$AB/new$SITE" timeout 500 python3 -m pytest -q -rfs -p no:cacheprovider \
     ${GPU_TESTS:-test_cuda_runtime.py test_cuda_gemv.py test_cuda_prefill_attention.py test_paged_attention.py \
     test_paged_attention_fp8.py test_sampling_ops.py test_gpu_sampler.py test_random_fill.py test_dummy_weights.py \
     test_rope_cache.py test_gated_linear.py test_matmul.py test_mixed_step_attention.py test_backend_ops.py \
@@ -45,9 +52,9 @@ if has bench; then
     for target in ${TARGETS:-nanovllm decode8b prefill8b}; do
       for side in base new; do
         src=$([ $side = base ] && echo "$BASE" || echo .)
-        (cd "$src" && PYTHONPATH="$OLDPWD/.ab/$side" python3 benchmarks/gpu_e2e.py --target "$target" --repeats "${REPEATS:-1}" \
+        (cd "$src" && PYTHONPATH="$AB/$side$SITE" python3 benchmarks/gpu_e2e.py --target "$target" --repeats "${REPEATS:-1}" \
           --json "$OUT/e2e_${side}.json" ${E2E_FLAGS:-}) >>"$OUT/e2e_${side}.log" 2>&1 || rc=1
-        line=$(grep -E "_(output_tok_s|decode_b1_p128_g256_tok_s|TFLOP_s) " "$OUT/e2e_${side}.log" | tail -1)
+        line=$(grep -E "_(output_tok_s|decode_b1_p128_g256_tok_s|prefill_4096_TFLOP_s) " "$OUT/e2e_${side}.log" | tail -1)
         echo "round $round $target $side: $line" | tee -a "$OUT/ab_summary.txt"
       done
     done
