@@ -5,8 +5,7 @@
 
 fused_add_rms_norm (residual add + norm, the decoder's per-layer norm) and rms_norm, bf16, `--calls`
 calls a graph cycling through 4 buffer sets; microseconds per call (median of --reps replays).
-Launch choices are read from the environment once per process (e.g. TALLOW_NORM_FEW_ROWS_MAX), so
-compare settings in separate runs. Without CUDA the script says so and exits 0."""
+Without CUDA the script says so and exits 0."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +30,7 @@ def main() -> int:
     if not tc.is_available():
         print("bench_norm: no CUDA device (tallow built with CUDA: %s); skipping" % tc.built)
         return 0
-    print("device: %s; TALLOW_NORM_FEW_ROWS_MAX=%s" % (tc.get_device_name(), os.environ.get("TALLOW_NORM_FEW_ROWS_MAX", "")))
+    print("device: %s" % tc.get_device_name())
     print("%6s %6s %16s %10s" % ("hidden", "rows", "fused_add (us)", "rms (us)"))
     for h in (int(x) for x in args.hidden.split(",")):
         w = ops.fill_uniform_(tallow.empty([h], "bfloat16", "cuda"), 0.5, 1.5, 1)

@@ -102,8 +102,6 @@ def run_variant(variant: str, shape: str) -> float:
     if variant in ("no_norm", "no_all"):
         N.RMSNorm.add_norm = lambda self, x, r: (x, r)
         N.RMSNorm.__call__ = lambda self, x: x
-        if hasattr(N.RMSNorm, "linear"):  # the fused norm + linear of older trees
-            N.RMSNorm.linear = lambda self, x, w, bias=None: ops.linear(x, w, bias)
     if variant in ("no_rope", "no_rope_attn", "no_all"):
         def rope_and_attend(self, positions, q, k, v, cos_sin, neox, kv, meta, *a, **kw):
             return self.attend(q, kv, meta)

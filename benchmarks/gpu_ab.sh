@@ -39,11 +39,9 @@ if has build; then
 fi
 if has test; then
   (cd tests/python && PYTHONPATH="$AB/new$SITE" timeout 500 python3 -m pytest -q -rfs -p no:cacheprovider \
-    ${GPU_TESTS:-test_cuda_runtime.py test_cuda_gemv.py test_cuda_prefill_attention.py test_paged_attention.py \
-    test_paged_attention_fp8.py test_sampling_ops.py test_gpu_sampler.py test_random_fill.py test_dummy_weights.py \
-    test_rope_cache.py test_gated_linear.py test_matmul.py test_mixed_step_attention.py test_backend_ops.py \
-    test_engine_cuda.py test_engine_cuda_bf16.py test_engine_cuda_graphs.py test_engine_overlap.py \
-    test_decode_overlap.py}) >"$OUT/tests.log" 2>&1 || rc=1
+    ${GPU_TESTS:-cuda ops worker layers loader/test_dummy_weights.py engine/test_engine_cuda.py \
+    engine/test_engine_cuda_bf16.py engine/test_engine_cuda_graphs.py engine/test_engine_overlap.py \
+    engine/test_decode_overlap.py}) >"$OUT/tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
   echo "tests: $(tail -1 "$OUT/tests.log")"
 fi

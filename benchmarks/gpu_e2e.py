@@ -189,7 +189,7 @@ def kv_bytes_per_token(cfg: dict, kv_dtype: str) -> int:
 
 
 def model_cfg(cfg: dict):
-    from tallow.loader.config import ModelConfig
+    from tallow.config import ModelConfig
 
     return ModelConfig.from_hf_dict(cfg)
 
@@ -197,7 +197,7 @@ def model_cfg(cfg: dict):
 def decode_weight_bytes(cfg: dict) -> int:
     """Bytes of bf16 weights one decode step reads: all but the token embedding table (one row per token), but
     the table is read whole as the lm_head when the embeddings are tied."""
-    from tallow.loader.dummy import num_params
+    from tallow.models import num_params
 
     c = model_cfg(cfg)
     n = num_params(c, include_embedding=False)
@@ -210,7 +210,7 @@ def prefill_flops(cfg: dict, t: int) -> tuple[float, dict]:
     """FLOPs of prefilling one t-token prompt: 2 * params * t for every GEMM (the lm_head runs for the last
     token only, as the runner computes logits for the rows that sample), plus causal attention
     QK^T and PV: 2 * 2 * head_dim * t(t+1)/2 per head and layer."""
-    from tallow.loader.dummy import num_params
+    from tallow.models import num_params
 
     c = model_cfg(cfg)
     head = c.vocab_size * c.hidden_size

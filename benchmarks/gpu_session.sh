@@ -45,15 +45,16 @@ pyt() {  # pytest quietly into $OUT/<name>.log; print the summary and any failur
   echo "$name: $(tail -1 "$OUT/$name.log")"
 }
 if has test; then
-  pyt kernels test_cuda_runtime.py test_cuda_gemv.py test_cuda_prefill_attention.py test_paged_attention.py \
-    test_paged_attention_fp8.py test_sampling_ops.py test_gpu_sampler.py test_random_fill.py test_dummy_weights.py \
-    test_rope_cache.py test_gated_linear.py test_fused_linear.py test_matmul.py test_mixed_step_attention.py
+  pyt kernels cuda ops/test_paged_attention.py ops/test_paged_attention_fp8.py ops/test_sampling_ops.py \
+    worker/test_gpu_sampler.py ops/test_random_fill.py loader/test_dummy_weights.py ops/test_rope_cache.py \
+    ops/test_gated_linear.py ops/test_matmul.py layers/test_mixed_step_attention.py
 fi
 if has backend; then
-  pyt backend test_backend_ops.py -k cuda
+  pyt backend ops/test_backend_ops.py -k cuda
 fi
 if has engine; then
-  pyt engine test_engine_cuda.py test_engine_cuda_bf16.py test_engine_cuda_graphs.py test_engine_overlap.py test_decode_overlap.py
+  pyt engine engine/test_engine_cuda.py engine/test_engine_cuda_bf16.py engine/test_engine_cuda_graphs.py \
+    engine/test_engine_overlap.py engine/test_decode_overlap.py
 fi
 if has bench; then
   TALLOW_BENCH_JSON="$OUT/bench_cuda.json" python3 benchmarks/bench_cuda.py >"$OUT/bench_cuda.log" 2>&1 || rc=1

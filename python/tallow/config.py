@@ -539,7 +539,6 @@ def _build_hf(cls, text: dict, get, spec, model_type: str, architecture: str):
     top_theta = text.get("rope_theta")
     prf = text.get("partial_rotary_factor", text.get("rope_pct"))
     top_orig = text.get("original_max_position_embeddings")
-    rope_local = None
     if isinstance(rp, dict) and _is_nested_rope(rp, layer_types):
         full = rp.get(FULL_ATTENTION) or {}
         sliding = rp.get(SLIDING_ATTENTION)
@@ -704,7 +703,6 @@ def _build_gguf(cls, g, arch: str, spec, path: str):
     # layers, sliding windows
     sliding_window = key("attention.sliding_window")
     sliding_window = int(sliding_window) if sliding_window else None
-    rope_local = None
     layer_types = [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * n_layers
 
     # norms

@@ -1,11 +1,17 @@
 import os
 import pathlib
 import secrets
+import sys
 
 import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+# The tests mirror the package in sub-folders; their shared helpers (engine_models, server_harness,
+# reference_sampler, gen_support_table) live here, and the op cases and references in ops/backend_ops:
+# both importable from every folder.
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "ops")]
 
 
 def data_dir() -> pathlib.Path:

@@ -2,6 +2,8 @@
 import json
 import pathlib
 
+import pytest
+
 
 def write_word_tokenizer(path: pathlib.Path, vocab_size: int, eos_id: int = 1) -> None:
     """A WordLevel tokenizer.json ("t0".."tN" split on whitespace) so the engine can load the folder."""
@@ -231,3 +233,18 @@ def top2_gaps(completion) -> list:
         lp = sorted((v.logprob for v in entry.values()), reverse=True)
         gaps.append(lp[0] - lp[1] if len(lp) > 1 else float("inf"))
     return gaps
+
+
+def cuda_ok() -> bool:
+    """Whether this build has CUDA and a device is visible."""
+    import tallow
+
+    if not tallow._core.build_info.get("cuda"):
+        return False
+    from tallow import cuda
+
+    return cuda.is_available()
+
+
+# Devices a test runs on: the CPU always, CUDA where there is one.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ok(), reason="no CUDA device"))]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tallow.layers.rotary import build_cos_sin_cache, rope_inv_freq
-from tallow.loader.config import (
+from tallow.config import (
     SUPPORTED_FAMILIES, SUPPORTED_GGUF_ARCHITECTURES, ConfigError, ConfigFileNotFoundError, ModelConfig, RopeConfig,
     _DEFAULTS,
 )
@@ -705,6 +705,6 @@ def test_config_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tallow.loader.config, tallow.layers.rotary; "
+    code = ("import sys, tallow.config, tallow.layers.rotary; "
             "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -20,7 +20,7 @@ log = logging.getLogger("tallow.engine")
 def load_source(args: EngineArgs):
     """(model config, model source) for the engine arguments (a worker in another process rebuilds
     them from the same arguments)."""
-    from tallow.loader.config import ModelConfig
+    from tallow.config import ModelConfig
     from tallow.loader.source import resolve_model_source
 
     dummy = args.load_format == "dummy"

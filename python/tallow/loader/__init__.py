@@ -1,5 +1,5 @@
 """Everything from "a model name or path" to config + weights as tallow tensors."""
-from tallow.loader.config import ConfigError, ModelConfig, RopeConfig
+from tallow.config import ConfigError, ModelConfig, RopeConfig
 from tallow.loader.gguf_reader import GGUFError, GGUFFile
 from tallow.loader.gguf_weights import load_gguf_weights
 from tallow.loader.hub import download_model

@@ -60,16 +60,6 @@ def fill_dummy(model, seed: int = 0) -> dict[str, tuple]:
     return filled
 
 
-def __getattr__(name: str):
-    """num_params / dummy_weights moved to tallow.models (they build a model); kept reachable here for
-    callers not yet updated (benchmarks/gpu_e2e.py). To be removed with them."""
-    if name in ("num_params", "dummy_weights"):
-        import tallow.models
-
-        return getattr(tallow.models, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def placeholder_tokenizer(cfg: ModelConfig):
     """A stand-in tokenizer for a config-only model folder (load_format="dummy" without tokenizer files):
     token i is the word "t<i>" (words split on whitespace, joined with spaces on decode), so the engine can

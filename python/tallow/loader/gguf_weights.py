@@ -92,22 +92,10 @@ def _layer_maps() -> dict[str, dict[str, str]]:
     return out
 
 
-def __getattr__(name: str):
-    """Registry-derived tables (the family files import this module, so they are computed on use)."""
-    if name not in ("LAYER_MAPS", "SUPPORTED_ARCHITECTURES", "PERMUTED_QK", "NORM_SHIFTED"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from tallow.models import registry
-
-    classes = [registry.model_class(f) for f in registry.families()]
-    if name == "LAYER_MAPS":
-        return _layer_maps()
-    if name == "SUPPORTED_ARCHITECTURES":
-        return tuple(_layer_maps())
-    if name == "PERMUTED_QK":
-        return {a for c in classes if c.gguf_permuted_qk for a in c.gguf_architectures}
-    if name == "NORM_SHIFTED":
-        return {a for c in classes if c.gguf_norm_shifted for a in c.gguf_architectures}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def supported_architectures() -> tuple[str, ...]:
+    """The GGUF architectures some family file maps (the registry's, computed on use: the family files
+    import this module)."""
+    return tuple(_layer_maps())
 
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")

@@ -5,7 +5,7 @@ repository; ``--m`` may also be a local path), ``--w DIR`` is a local Hugging Fa
 (config.json, tokenizer files, *.safetensors), ``--f PATH`` a local GGUF file.
 :func:`resolve_model_source` says where the model is; :func:`load_weights` gives its weights as
 tallow tensors under Hugging Face names. Config, tokenizer and chat-template parsing live
-elsewhere (loader/config.py, tokenizer/); they read the paths or the GGUFFile exposed here.
+elsewhere (tallow/config.py, tokenizer/); they read the paths or the GGUFFile exposed here.
 """
 from __future__ import annotations
 

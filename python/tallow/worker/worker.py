@@ -2,7 +2,7 @@
 the KV cache from the memory left (profiled, not guessed), allocates it, captures the decode graphs,
 and runs steps through its ModelRunner. Everything it takes and returns is plain data
 (engine/step_data.py), so it may run in the engine's process (today: engine/executor.py) or in its
-own (tests/python/test_engine_step_data.py runs one in a spawned process)."""
+own (tests/python/engine/test_engine_step_data.py runs one in a spawned process)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,9 @@
 """add_request(final_only=True) (what LLM.generate uses): step() returns nothing for the request until
 it finishes, then one RequestOutput holding the whole result, equal to the request's deltas joined."""
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from engine_models import make_llama  # noqa: E402
-from tallow import LLM, SamplingParams  # noqa: E402
+from engine_models import make_llama
+from tallow import LLM, SamplingParams
 
 VOCAB = 96
 PARAMS = [

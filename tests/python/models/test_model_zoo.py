@@ -474,6 +474,6 @@ def test_unsupported_family_lists_supported_ones():
 def test_support_table_is_current():
     import gen_support_table
 
-    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "supported_models.md"
+    doc = pathlib.Path(__file__).resolve().parents[3] / "docs" / "supported_models.md"
     assert doc.read_text() == gen_support_table.render(), \
         "docs/supported_models.md is stale: run python tests/python/gen_support_table.py"

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 N_NEW = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
 F32_TIE = 2e-3
-FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_llamacpp.json"
+FIXTURE = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "smollm2_llamacpp.json"
 
 
 # -- random Llama against transformers (f32), the original checks -----------------------------------
@@ -118,7 +118,7 @@ STORIES_BF16_TIE = 0.1
 @pytest.fixture(scope="module")
 def stories():
     # conftest's shared_data, at module scope
-    data = pathlib.Path(os.environ.get("TALLOW_TEST_DATA", pathlib.Path(__file__).resolve().parents[3] / "shared/data"))
+    data = pathlib.Path(os.environ.get("TALLOW_TEST_DATA", pathlib.Path(__file__).resolve().parents[4] / "shared/data"))
     path = data / "stories260K" / "stories260K.gguf"
     if not path.is_file():
         pytest.skip(f"real test data not found at {path.parent} (set TALLOW_TEST_DATA)")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tallow.layers.rotary import build_cos_sin_cache, llama4_attn_scale, rope_inv_freq
-from tallow.loader.config import ModelConfig, RopeConfig
+from tallow.config import ModelConfig, RopeConfig
 
 torch = pytest.importorskip("torch", reason="torch (CPU) is the test-only reference for RoPE")
 transformers = pytest.importorskip("transformers", minversion="5.0",

@@ -15,7 +15,7 @@ import pytest
 
 from engine_models import assert_engine_idle, make_llama
 from tallow import LLM, SamplingParams
-from test_gpu_sampler import DEVICES
+from engine_models import DEVICES
 
 N = 24
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_llamacpp.json"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2_llamacpp.json"
 RSS_MARGIN_MB = 300
 
 

@@ -13,7 +13,7 @@ import pytest
 import tallow
 from tallow.loader.gguf_reader import GGUFFile
 from tallow.loader.gguf_weights import (
-    SUPPORTED_ARCHITECTURES,
+    supported_architectures,
     GGUFWeightsError,
     gguf_to_hf_names,
     load_gguf_weights,
@@ -195,7 +195,7 @@ def check_tensor(name, t, ref: np.ndarray, qtype):
         raise AssertionError(qtype)
 
 
-ARCHS = list(SUPPORTED_ARCHITECTURES) + ["llama_moe"]
+ARCHS = list(supported_architectures()) + ["llama_moe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

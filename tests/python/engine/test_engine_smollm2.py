@@ -43,7 +43,7 @@ import pytest
 import tallow
 from tallow import LLM, SamplingParams
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_llamacpp.json"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2_llamacpp.json"
 
 LOGIT_ATOL_F32 = 1e-3
 LOGIT_ATOL_Q4 = 2.0

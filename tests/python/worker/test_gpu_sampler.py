@@ -11,6 +11,7 @@ import pytest
 
 import tallow
 from tallow import SamplingParams
+from engine_models import DEVICES, cuda_ok as _cuda_ok  # noqa: F401
 from reference_sampler import Sampler
 from tallow.engine.request import Request
 from tallow.worker.sampler import Sampler as GpuSampler
@@ -18,15 +19,6 @@ from tallow.worker.sampler import Sampler as GpuSampler
 _ids = itertools.count()
 
 
-def _cuda_ok() -> bool:
-    if not tallow._core.build_info.get("cuda"):
-        return False
-    from tallow import cuda
-
-    return cuda.is_available()
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda_ok(), reason="no CUDA device"))]
 
 
 def mk(prompt=(2, 3), out=(), rid=None, **kw) -> Request:
