@@ -539,6 +539,7 @@ def _build_hf(cls, text: dict, get, spec, model_type: str, architecture: str):
     top_theta = text.get("rope_theta")
     prf = text.get("partial_rotary_factor", text.get("rope_pct"))
     top_orig = text.get("original_max_position_embeddings")
+    rope_local = None
     if isinstance(rp, dict) and _is_nested_rope(rp, layer_types):
         full = rp.get(FULL_ATTENTION) or {}
         sliding = rp.get(SLIDING_ATTENTION)

