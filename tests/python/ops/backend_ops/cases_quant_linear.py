@@ -7,13 +7,13 @@ import numpy as np
 from backend_ops import Keep, OpCase, register
 import tallow
 
-from .cases_dequant import _BLOCKS, _reference
+from .cases_dequant import BLOCKS, _reference
 
 
 def _weight_blocks(rng, name, rows, nblocks):
     """Random quant bytes with scale fields of a trained weight's magnitude (|d| ~ 1e-2), so that
     products stay well inside the f16 range."""
-    _, ts, f16_at, f32_at = _BLOCKS[name]
+    _, ts, f16_at, f32_at = BLOCKS[name]
     raw = rng.integers(0, 256, size=(rows, nblocks, ts), dtype=np.uint8)
     for off in f16_at:
         v = rng.choice([-1.0, 1.0], size=(rows, nblocks)) * rng.uniform(0.5, 2.0, size=(rows, nblocks)) * 1e-2
@@ -25,7 +25,7 @@ def _weight_blocks(rng, name, rows, nblocks):
 
 
 def _quant_linear_case(name, M):
-    bs, ts, _, _ = _BLOCKS[name]
+    bs, ts, _, _ = BLOCKS[name]
 
     def make(rng, dtype):
         K, N = 512, 43
@@ -46,4 +46,4 @@ def _quant_linear_case(name, M):
     return OpCase(f"dequant_linear[{name},M={M}]", make, run, ref)
 
 
-register(*[_quant_linear_case(n, m) for n in _BLOCKS for m in (5, 37)])
+register(*[_quant_linear_case(n, m) for n in BLOCKS for m in (5, 37)])
