@@ -228,30 +228,18 @@ def run_tallow(model_path: str, prompts, n_new: int = N_NEW, **engine_args):
     llm = LLM(model_path, **{**ENGINE_ARGS, **engine_args})
     first: dict[str, np.ndarray] = {}
     runner = llm.engine.runner
-    if hasattr(runner, "forward_step"):  # the runner on plain-data steps
-        forward_step = runner.forward_step
+    forward_step = runner.forward_step
 
-        def spy_step(step):
-            logits, states, plp = forward_step(step)
-            if states:
-                rows = np.asarray(logits.to(tallow.float32).numpy())
-                for st, row in zip(states, rows):
-                    if st.num_output_tokens == 0:
-                        first.setdefault(st.request_id, np.array(row, dtype=np.float64))
-            return logits, states, plp
+    def spy_step(step):
+        logits, states, plp = forward_step(step)
+        if states:
+            rows = np.asarray(logits.to(tallow.float32).to("cpu").numpy())
+            for st, row in zip(states, rows):
+                if st.num_output_tokens == 0:
+                    first.setdefault(st.request_id, np.array(row, dtype=np.float64))
+        return logits, states, plp
 
-        runner.forward_step = spy_step
-    else:
-        execute = runner.execute
-
-        def spy(out, sample_reqs):
-            logits = execute(out, sample_reqs)
-            for i, r in enumerate(sample_reqs):
-                if r.num_output_tokens == 0:
-                    first.setdefault(r.request_id, np.array(logits[i], dtype=np.float64))
-            return logits
-
-        runner.execute = spy
+    runner.forward_step = spy_step
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], [first[o.request_id] for o in outs], llm
