@@ -16,24 +16,8 @@ import gguf.quants  # noqa: E402
 
 QK_K = 256
 
-from backend_ops.cases_dequant import BLOCKS  # noqa: E402
+from backend_ops.cases_dequant import BLOCKS, random_blocks  # noqa: E402
 TYPES = list(BLOCKS)
-
-
-def random_blocks(rng, name, rows, nblocks):
-    """(rows, nblocks * type_size) uint8: random bytes with valid scale fields."""
-    bs, ts, f16_at, f32_at = BLOCKS[name]
-    raw = rng.integers(0, 256, size=(rows, nblocks, ts), dtype=np.uint8)
-    n = rows * nblocks
-    for off in f16_at:
-        # Magnitudes from 2^-20 (f16 subnormals) to ~2^3, both signs, plus some exact zeros.
-        v = rng.standard_normal(n) * np.exp2(rng.integers(-20, 3, size=n))
-        v[rng.random(n) < 0.02] = 0.0
-        raw[:, :, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nblocks, 2)
-    for off in f32_at:
-        v = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 3, size=n))).astype(np.float32)
-        raw[:, :, off:off + 4] = v.view(np.uint8).reshape(rows, nblocks, 4)
-    return raw.reshape(rows, nblocks * ts)
 
 
 def reference(raw, name):

@@ -23,12 +23,16 @@ BLOCKS = {
 }
 
 
-def _random_blocks(rng, name, rows, nblocks):
+def random_blocks(rng, name, rows, nblocks):
+    """(rows, nblocks * type_size) uint8: random bytes with valid scale fields (the dequantize and
+    dequant_linear tests use it too)."""
     _, ts, f16_at, f32_at = BLOCKS[name]
     raw = rng.integers(0, 256, size=(rows, nblocks, ts), dtype=np.uint8)
     n = rows * nblocks
     for off in f16_at:
+        # Magnitudes from 2^-20 (f16 subnormals) to ~2^3, both signs, plus some exact zeros.
         v = rng.standard_normal(n) * np.exp2(rng.integers(-20, 3, size=n))
+        v[rng.random(n) < 0.02] = 0.0
         raw[:, :, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nblocks, 2)
     for off in f32_at:
         v = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 3, size=n))).astype(np.float32)
@@ -58,7 +62,7 @@ def _dequant_case(name):
     bs, ts, _, _ = BLOCKS[name]
 
     def make(rng, dtype):
-        return {"raw": Keep(_random_blocks(rng, name, int(rng.integers(3, 9)), int(rng.integers(2, 7))))}
+        return {"raw": Keep(random_blocks(rng, name, int(rng.integers(3, 9)), int(rng.integers(2, 7))))}
 
     def run(t, dtype, device):
         raw = np.ascontiguousarray((t["raw"] if device == "cpu" else t["raw"].to("cpu")).numpy())
