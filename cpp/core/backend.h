@@ -36,6 +36,8 @@ struct BackendOps {
   // cast, dequantize
   Tensor (*cast)(const Tensor& x, DType dtype) = nullptr;
   Tensor (*dequantize)(const Tensor& q, DType dtype) = nullptr;
+  // quantize: float x [..., K] -> GGUF block dtype (bit-identical to the CPU op, ops/quantize.h)
+  Tensor (*quantize)(const Tensor& x, DType dtype) = nullptr;
   // elementwise
   Tensor (*add)(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) = nullptr;
   Tensor (*mul)(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) = nullptr;
@@ -46,6 +48,9 @@ struct BackendOps {
   Tensor (*matmul)(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) = nullptr;
   Tensor (*linear)(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
                    const std::optional<Tensor>& out) = nullptr;
+  // quant_linear: x @ w^T with w in a GGUF block dtype (ops/quant_linear.h)
+  Tensor (*quant_linear)(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                         const std::optional<Tensor>& out) = nullptr;
   Tensor (*gated_linear)(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
                          const std::string& activation, const std::optional<Tensor>& out) = nullptr;
   // norms

@@ -17,6 +17,7 @@ const DTypeInfo kInfo[] = {
     {"q5_1", 32, 24, false, 7},   {"q8_0", 32, 34, false, 8},  {"q8_1", 32, 36, false, 9},
     {"q2_k", 256, 84, false, 10}, {"q3_k", 256, 110, false, 11}, {"q4_k", 256, 144, false, 12},
     {"q5_k", 256, 176, false, 13}, {"q6_k", 256, 210, false, 14}, {"q8_k", 256, 292, false, 15},
+    {"iq4_nl", 32, 18, false, 20}, {"iq4_xs", 256, 136, false, 23},
 };
 static_assert(sizeof(kInfo) / sizeof(kInfo[0]) == (size_t)DType::kCount, "dtype table out of date");
 }  // namespace

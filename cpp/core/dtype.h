@@ -9,7 +9,7 @@ namespace tallow {
 
 enum class DType : uint8_t {
   F32, F16, BF16, F8E4M3, I8, U8, I32, I64, Bool,
-  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_NL, IQ4_XS,
   kCount
 };
 
