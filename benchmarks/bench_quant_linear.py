@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""dequant_linear (GGUF block weights kept quantized) vs ops.linear on the pre-dequantized f32 weight, CPU.
+"""quant_linear (GGUF block weights kept quantized) vs ops.linear on the pre-dequantized f32 weight, CPU.
 
 Shapes: the demo model SmolLM2-135M (hidden 576, intermediate 1536, 9 heads x 64, 3 kv heads, vocab 49152):
 qkv_proj 960 x 576, o_proj 576 x 576, gate_up_proj 3072 x 576, down_proj 576 x 1536, lm_head 49152 x 576.
@@ -8,8 +8,12 @@ default the calls cycle over enough copies of the weight (f32 and quantized alik
 level cache twice (--llc-mb), as a model's 30 layers do; --hot reuses one copy. Weights are random floats
 quantized with the gguf package; x is fixed. Reported: us a call (best of --reps passes of equally many
 calls, the variants timed in turn within each repetition so other load hits them alike) and the ratio
-dequant_linear / linear (< 1: the quantized op is faster). The "layer" row sums one decoder layer's four
-projections. JSON lines go to --json when given.
+quant_linear / linear (< 1: the quantized op is faster). The "layer" row sums one decoder layer's four
+projections. Each quantized column also shows GB/s: the weight's quantized bytes over the time of a call
+(at M = 1 the decode kernels' figure of merit: memory bound when they reach the machine's bandwidth).
+--extra adds the split k/v (192 x 576) and up (1536 x 576) projections and two 7B-class shapes (4096 x 4096,
+14336 x 4096). Works against an older build whose op was still called dequant_linear (for before/after).
+JSON lines go to --json when given.
 """
 from __future__ import annotations
 
@@ -28,6 +32,12 @@ SHAPES = [  # (name, N, K)
     ("gate_up_proj", 3072, 576),
     ("down_proj", 576, 1536),
     ("lm_head", 49152, 576),
+]
+EXTRA_SHAPES = [
+    ("k_proj", 192, 576),
+    ("up_proj", 1536, 576),
+    ("7b_square", 4096, 4096),
+    ("7b_up", 14336, 4096),
 ]
 LAYER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -74,6 +84,7 @@ def main() -> int:
     ap.add_argument("--hot", action="store_true", help="one copy of each weight (cache-hot) instead of cycling")
     ap.add_argument("--llc-mb", type=float, default=36.0, help="last-level cache size to overflow twice")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: all)")
+    ap.add_argument("--extra", action="store_true", help="also the split projections and 7B-class shapes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -87,13 +98,15 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",") if r]
     types = [t for t in args.types.split(",") if t]
     only = set(s for s in args.only.split(",") if s)
-    shapes = [s for s in SHAPES if not only or s[0] in only]
+    quant_linear = getattr(ops, "quant_linear", None) or getattr(_core, "dequant_linear")
+    shapes = [s for s in SHAPES + (EXTRA_SHAPES if args.extra else []) if not only or s[0] in only]
     rng = np.random.default_rng(0)
-    device = f"{cpu_model()}, {_core.get_num_threads()} threads, kernels {_core._cpu_isa()}"
+    qk = _core._quant_dot_kernel() if hasattr(_core, "_quant_dot_kernel") else "none (dequantized tiles)"
+    device = f"{cpu_model()}, {_core.get_num_threads()} threads, kernels {_core._cpu_isa()}, decode {qk}"
     print(f"# {device}; weights {'hot (one copy)' if args.hot else f'cycled over > 2 x {args.llc_mb:g} MB'}")
     hdr = f"{'projection':<13} {'N x K':>12} {'M':>4} {'f32 linear us':>14}"
     for t in types:
-        hdr += f" {t + ' us':>10} {'ratio':>6}"
+        hdr += f" {t + ' us':>10} {'ratio':>6} {'GB/s':>6}"
     print(hdr)
     results = []
     totals: dict = {}
@@ -118,7 +131,7 @@ def main() -> int:
         for M in rows:
             x = tallow.tensor(rng.standard_normal((M, K)).astype(np.float32))
             times = time_interleaved([(ops.linear, [(x, w) for w in f32_ws])]
-                                     + [(ops.dequant_linear, [(x, w) for w in q_ws[t]]) for t in types], args.reps)
+                                     + [(quant_linear, [(x, w) for w in q_ws[t]]) for t in types], args.reps)
             base = times[0]
             line = f"{name:<13} {f'{N} x {K}':>12} {M:>4} {base * 1e6:>14.1f}"
             rec = {"name": name, "N": N, "K": K, "M": M, "device": device, "hot": args.hot, "f32_linear_us": base * 1e6}
@@ -126,8 +139,10 @@ def main() -> int:
                 totals.setdefault(M, {}).setdefault("f32", 0.0)
                 totals[M]["f32"] += base
             for t, tq in zip(types, times[1:]):
-                line += f" {tq * 1e6:>10.1f} {tq / base:>6.2f}"
+                gbs = quant[t].nbytes / tq / 1e9
+                line += f" {tq * 1e6:>10.1f} {tq / base:>6.2f} {gbs:>6.1f}"
                 rec[f"{t}_us"] = tq * 1e6
+                rec[f"{t}_GBps"] = gbs
                 rec[f"{t}_ratio"] = tq / base
                 if name in LAYER:
                     totals[M][t] = totals[M].get(t, 0.0) + tq
@@ -141,7 +156,7 @@ def main() -> int:
             tot = totals[M]
             line = f"{'layer (4)':<13} {'':>12} {M:>4} {tot['f32'] * 1e6:>14.1f}"
             for t in types:
-                line += f" {tot[t] * 1e6:>10.1f} {tot[t] / tot['f32']:>6.2f}"
+                line += f" {tot[t] * 1e6:>10.1f} {tot[t] / tot['f32']:>6.2f} {'':>6}"
             print(line)
     print(f"# command: python benchmarks/bench_quant_linear.py {' '.join(sys.argv[1:])}".rstrip())
     if jf:

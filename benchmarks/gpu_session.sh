@@ -2,8 +2,9 @@
 # One GPU session on a CUDA machine: build tallow for sm_90 (TALLOW_CUDA_ARCHS overrides), run the
 # CUDA tests and the benchmarks, logs and JSON results under $OUT (default /tmp/tallow-gpu).
 # Stages can be picked: bash benchmarks/gpu_session.sh [build] [test] [backend] [engine] [bench] [attn]
-# [sampling] [e2e] (default: all of these) [mix] [nano] [breakdown] (only when named:
-# bench_decode_mix.py, nano_steps.py --gaps, decode_breakdown.py --shape nano). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
+# [sampling] [e2e] (default: all of these) [mix] [nano] [breakdown] [quant] [quantbench] (only when named:
+# bench_decode_mix.py, nano_steps.py --gaps, decode_breakdown.py --shape nano, the GGUF-quantization tests on CUDA,
+# bench_quant_linear_cuda.py). Wheels in .whl/ (e.g. gguf, the dequantization reference) are
 # installed into /tmp/site first; TALLOW_TEST_DATA defaults to .gpu_data when that folder exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,5 +84,13 @@ fi
 if has breakdown; then
   python3 benchmarks/decode_breakdown.py --shape nano >"$OUT/breakdown_nano.log" 2>&1 || rc=1
   tail -14 "$OUT/breakdown_nano.log"
+fi
+if has quant; then
+  pyt quant ops/test_backend_ops.py -k "cuda and (quant or dequant or embedding)" ops/test_quantize.py \
+    layers/test_isq.py layers/test_gguf_linear.py
+fi
+if has quantbench; then
+  python3 benchmarks/bench_quant_linear_cuda.py ${QUANTBENCH_FLAGS:-} >"$OUT/bench_quant_cuda.log" 2>&1 || rc=1
+  tail -60 "$OUT/bench_quant_cuda.log"
 fi
 exit $rc

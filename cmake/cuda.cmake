@@ -95,6 +95,8 @@ function(tallow_add_cuda_sources target)
   file(GLOB_RECURSE _cu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/cuda/*.cu ${PROJECT_SOURCE_DIR}/cuda/*.cpp)
   list(FILTER _cu EXCLUDE REGEX "/cuda/python/")  # the Python bindings go into the extension (CMakeLists.txt)
   add_library(tallow_cuda OBJECT ${_cu})
+  # The quantizers (cpp/ops/quantize_block.h) must not fuse a*b+c: bit-identical with the CPU op.
+  set_source_files_properties(${PROJECT_SOURCE_DIR}/cuda/quantize.cu PROPERTIES COMPILE_OPTIONS -fmad=false)
   set_target_properties(tallow_cuda PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON
                                                POSITION_INDEPENDENT_CODE ON)
   target_include_directories(tallow_cuda PUBLIC ${PROJECT_SOURCE_DIR}/cpp ${PROJECT_SOURCE_DIR}/cuda)

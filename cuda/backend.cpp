@@ -13,12 +13,14 @@ void register_ops() {
   t.attention = &attention;
   t.cast = &cast;
   t.dequantize = &dequantize;
+  t.quantize = &quantize;
   t.add = &add;
   t.mul = &mul;
   t.scale = &scale;
   t.embedding = &embedding;
   t.matmul = &matmul;
   t.linear = &linear;
+  t.quant_linear = &quant_linear;
   t.gated_linear = &gated_linear;
   t.rms_norm = &rms_norm;
   t.fused_add_rms_norm = &fused_add_rms_norm;

@@ -7,6 +7,34 @@
 
 namespace tallow::cuda::deq {
 
+// Block geometry at compile time (core/dtype.cpp's table holds the same numbers at run time).
+constexpr int block_elems(DType t) {
+  switch (t) {
+    case DType::Q2_K: case DType::Q3_K: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: case DType::Q8_K:
+    case DType::IQ4_XS: return 256;
+    default: return 32;
+  }
+}
+constexpr int block_bytes(DType t) {
+  switch (t) {
+    case DType::Q4_0: return 18;
+    case DType::Q4_1: return 20;
+    case DType::Q5_0: return 22;
+    case DType::Q5_1: return 24;
+    case DType::Q8_0: return 34;
+    case DType::Q8_1: return 36;
+    case DType::Q2_K: return 84;
+    case DType::Q3_K: return 110;
+    case DType::Q4_K: return 144;
+    case DType::Q5_K: return 176;
+    case DType::Q6_K: return 210;
+    case DType::Q8_K: return 292;
+    case DType::IQ4_NL: return 18;
+    case DType::IQ4_XS: return 136;
+    default: return 0;
+  }
+}
+
 __device__ __forceinline__ float f16_at(const uint8_t* p) {
   return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
 }
@@ -122,8 +150,42 @@ template <> __device__ __forceinline__ float element<DType::Q8_K>(const uint8_t*
   return (float)(int8_t)x[4 + j] * f32_at(x);
 }
 
+// ggml's kvalues_iq4nl {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113} as
+// four little-endian words of int8 (entries 4w .. 4w+3 in word w): no table in device memory.
+constexpr uint32_t kIq4nlWord0 = 0xBFAD9881u, kIq4nlWord1 = 0xF6EADDCFu, kIq4nlWord2 = 0x26190D01u,
+                   kIq4nlWord3 = 0x71594535u;
+__device__ __forceinline__ int iq4nl_value(int q) {
+  const uint32_t w = q < 8 ? (q < 4 ? kIq4nlWord0 : kIq4nlWord1) : (q < 12 ? kIq4nlWord2 : kIq4nlWord3);
+  return (int)(int8_t)(uint8_t)(w >> (8 * (q & 3)));
+}
+// IQ4_NL (18 B / 32): f16 d | u8 qs[16]; y = d * kvalues[nibble] (low nibbles: elements 0-15).
+template <> __device__ __forceinline__ float element<DType::IQ4_NL>(const uint8_t* x, int j) {
+  const float d = f16_at(x);
+  const uint8_t b = x[2 + (j & 15)];
+  return d * (float)iq4nl_value(j < 16 ? (b & 0x0F) : (b >> 4));
+}
+// IQ4_XS (136 B / 256): f16 d | u16 scales_h | u8 scales_l[4] | u8 qs[128]; sub-block ib of 32 has the
+// 6-bit scale ls (low 4 bits in scales_l, high 2 in scales_h) and y = (d * (ls - 32)) * kvalues[nibble].
+template <> __device__ __forceinline__ float element<DType::IQ4_XS>(const uint8_t* x, int j) {
+  const float d = f16_at(x);
+  const int ib = j >> 5, l = j & 31;
+  const int scales_h = x[2] | (x[3] << 8);
+  const int ls = ((x[4 + (ib >> 1)] >> (4 * (ib & 1))) & 0x0F) | (((scales_h >> (2 * ib)) & 3) << 4);
+  const float dl = d * (float)(ls - 32);
+  const uint8_t b = x[8 + 16 * ib + (l & 15)];
+  return dl * (float)iq4nl_value(l < 16 ? (b & 0x0F) : (b >> 4));
+}
+
 }  // namespace tallow::cuda::deq
 
 // X(Q4_0) X(Q4_1) ... for every GGUF block dtype.
 #define TALLOW_FOR_EACH_BLOCK_DTYPE(X) \
-  X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q8_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(Q8_K)
+  X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q8_1) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(Q8_K) X(IQ4_NL) X(IQ4_XS)
+
+namespace tallow::cuda {
+// Rows of a block-dtype matrix (row r's first block at base + r * row_bytes, K elements a row) into a
+// contiguous [rows, K] out of out_dtype (f32/f16/bf16, 16-byte aligned): one thread per 16-byte pack of
+// outputs (contiguous stores across a warp), values bit-exact with deq::element. Asynchronous on `stream`; no allocation.
+void dequantize_rows(DType wt, const uint8_t* base, int64_t rows, int64_t K, int64_t row_bytes, DType out_dtype,
+                     void* out, cudaStream_t stream);
+}  // namespace tallow::cuda

@@ -30,6 +30,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
 Tensor cast(const Tensor& x, DType dtype);
 // dequant.cu
 Tensor dequantize(const Tensor& q, DType dtype = DType::F32);
+// quantize.cu (ops/quantize.h): the same bytes as the CPU op
+Tensor quantize(const Tensor& x, DType dtype);
 // elementwise.cu
 Tensor add(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor mul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
@@ -41,6 +43,9 @@ Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
 Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::string& activation, const std::optional<Tensor>& out);
+// quant_linear.cu (ops/quant_linear.h): w in a GGUF block dtype; q8 activations + __dp4a up to 8 rows
+Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,
+                    const std::optional<Tensor>& out);
 // Rows up to which linear/matmul use tallow's skinny kernel instead of cuBLASLt (default 16;
 // KernelTuning::skinny_max_m, TALLOW_SKINNY_MAX_M at start; 0 turns the skinny kernel off).
 int skinny_max_m();

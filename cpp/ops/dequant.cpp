@@ -13,6 +13,10 @@
 //   Q5_K (176 B / 256): f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
 //   Q6_K (210 B / 256): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
 //   Q8_K (292 B / 256): f32 d | i8 qs[256] | i16 bsums[16]   y = d * q
+//   IQ4_NL (18 B / 32): f16 d | u8 qs[16]                    y = d * kvalues_iq4nl[q]
+//   IQ4_XS (136 B / 256): f16 d | u16 scales_h | u8 scales_l[4] | u8 qs[128]
+//                       sub-block s (32 elements): ls = (4 bits of scales_l | 2 of scales_h << 4) - 32,
+//                       y = (d * ls) * kvalues_iq4nl[q]  (nibble order as Q4_0: low 16 then high 16)
 //
 // Bit-exactness: every formula above is (f16 scale) x (sub-scale of <= 8 bits) x (quant of <= 6 bits),
 // optionally minus (f16 min) x (<= 6-bit sub-min). Where a subtraction or addition follows (Q4_1, Q5_1,
@@ -283,6 +287,37 @@ TALLOW_SIMD_CLONES void deq_q8_k(const uint8_t* TALLOW_RESTRICT x, float* TALLOW
   }
 }
 
+// ---- non-linear 4-bit types (IQ4_NL, IQ4_XS): a nibble indexes ggml's kvalues_iq4nl ---------------
+// d (11 bits) x ls (6 bits) x kvalue (8 bits) keeps each product exact up to the one final rounding,
+// the same as ggml's d * ls then * kvalue.
+alignas(16) constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
+
+// 16 bytes of nibbles -> 32 values of one 32-element sub-block scaled by dl.
+inline void deq_iq4_sub(const uint8_t* TALLOW_RESTRICT qs, float dl, float* TALLOW_RESTRICT y) {
+  TALLOW_PRAGMA_SIMD
+  for (int j = 0; j < 16; ++j) {
+    y[j] = dl * (float)kIq4nlValues[qs[j] & 0x0F];
+    y[j + 16] = dl * (float)kIq4nlValues[qs[j] >> 4];
+  }
+}
+
+inline int iq4_xs_scale(const uint8_t* x, int ib) {  // sub-block ib's 6-bit scale minus 32
+  const int h = (int)(x[2] | (x[3] << 8));
+  return (((x[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((h >> (2 * ib)) & 3) << 4)) - 32;
+}
+
+void deq_iq4_nl(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 18, y += 32) deq_iq4_sub(x + 2, load_f16(x), y);
+}
+
+void deq_iq4_xs(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 136, y += 256) {
+    const float d = load_f16(x);
+    for (int ib = 0; ib < 8; ++ib) deq_iq4_sub(x + 8 + 16 * ib, d * (float)iq4_xs_scale(x, ib), y + 32 * ib);
+  }
+}
+
 using RowFn = void (*)(const uint8_t*, float*, int64_t);
 
 // ---- AVX2 and AVX-512 row routines ------------------------------------------------------------------
@@ -434,8 +469,34 @@ TALLOW_AVX2_FN void deq_q6_k_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLO
   }
 }
 
+// IQ4: the 16-entry kvalues table looked up with pshufb on the nibbles, then the same products.
+TALLOW_AVX2_FN static inline void iq4_sub_avx2(const uint8_t* qs, float dl, float* y) {
+  const __m128i tbl = _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)), m4 = _mm_set1_epi8(0x0F);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_shuffle_epi8(tbl, _mm_and_si128(q, m4));
+  const __m128i hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+  const __m256 d = _mm256_set1_ps(dl);
+  _mm256_storeu_ps(y, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+  _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+  _mm256_storeu_ps(y + 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+  _mm256_storeu_ps(y + 24, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+}
+
+TALLOW_AVX2_FN void deq_iq4_nl_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 18, y += 32) iq4_sub_avx2(x + 2, f16_avx2(x), y);
+}
+
+TALLOW_AVX2_FN void deq_iq4_xs_avx2(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 136, y += 256) {
+    const float d = f16_avx2(x);
+    for (int ib = 0; ib < 8; ++ib) iq4_sub_avx2(x + 8 + 16 * ib, d * (float)iq4_xs_scale(x, ib), y + 32 * ib);
+  }
+}
+
 RowFn avx2_row_fn(DType t) {
   switch (t) {
+    case DType::IQ4_NL: return deq_iq4_nl_avx2;
+    case DType::IQ4_XS: return deq_iq4_xs_avx2;
     case DType::Q4_0: return deq_q4_0_avx2;
     case DType::Q4_1: return deq_q4_1_avx2;
     case DType::Q5_0: return deq_q5_x_avx2<false>;
@@ -580,8 +641,31 @@ TALLOW_AVX512_FN void deq_q6_k_avx512(const uint8_t* TALLOW_RESTRICT x, float* T
   }
 }
 
+TALLOW_AVX512_FN static inline void iq4_sub_avx512(const uint8_t* qs, float dl, float* y) {
+  const __m128i tbl = _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)), m4 = _mm_set1_epi8(0x0F);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_shuffle_epi8(tbl, _mm_and_si128(q, m4));
+  const __m128i hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+  const __m512 d = _mm512_set1_ps(dl);
+  _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+  _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+}
+
+TALLOW_AVX512_FN void deq_iq4_nl_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 18, y += 32) iq4_sub_avx512(x + 2, f16_avx2(x), y);
+}
+
+TALLOW_AVX512_FN void deq_iq4_xs_avx512(const uint8_t* TALLOW_RESTRICT x, float* TALLOW_RESTRICT y, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b, x += 136, y += 256) {
+    const float d = f16_avx2(x);
+    for (int ib = 0; ib < 8; ++ib) iq4_sub_avx512(x + 8 + 16 * ib, d * (float)iq4_xs_scale(x, ib), y + 32 * ib);
+  }
+}
+
 RowFn avx512_row_fn(DType t) {
   switch (t) {
+    case DType::IQ4_NL: return deq_iq4_nl_avx512;
+    case DType::IQ4_XS: return deq_iq4_xs_avx512;
     case DType::Q4_0: return deq_q4_0_avx512;
     case DType::Q4_1: return deq_q4_1_avx512;
     case DType::Q5_0: return deq_q5_x_avx512<false>;
@@ -626,6 +710,8 @@ RowFn reference_row_fn(DType t) {
     case DType::Q5_K: return deq_q5_k;
     case DType::Q6_K: return deq_q6_k;
     case DType::Q8_K: return deq_q8_k;
+    case DType::IQ4_NL: return deq_iq4_nl;
+    case DType::IQ4_XS: return deq_iq4_xs;
     default: return nullptr;
   }
 }

@@ -17,6 +17,7 @@ void bind_random(py::module_& m);
 void bind_gated_linear(py::module_& m);
 void bind_tuning(py::module_& m);
 void bind_quant_linear(py::module_& m);
+void bind_quantize(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "tallow's C++ core: tensors and ops";
@@ -47,4 +48,5 @@ PYBIND11_MODULE(_core, m) {
   bind_gated_linear(m);
   bind_tuning(m);
   bind_quant_linear(m);
+  bind_quantize(m);
 }

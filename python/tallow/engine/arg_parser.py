@@ -23,7 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="compute dtype (auto: float32 on CPU)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (benchmarks; needs only config.json)")
-    g.add_argument("--isq", metavar="TYPE", help="in-situ quantization of the weights at load (e.g. q4k)")
+    g.add_argument("--isq", metavar="TYPE",
+                   help="quantize float (safetensors or dummy) weights to a GGUF type while loading, on the device: "
+                        "q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k, q6k")
     g.add_argument("--chat-template", help="chat template file or inline Jinja, overriding the model's")
     g.add_argument("--yarn-scaling-factor", type=float, help="extend the context with YaRN by this factor")
 
@@ -70,7 +72,12 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if model and model.endswith(".gguf") and not gguf:
         model, gguf = None, model
     if ns.isq:
-        raise FlagError(f"--isq {ns.isq}: in-situ quantization is not supported by this build yet")
+        from tallow.layers.quantization.isq import isq_scheme
+
+        try:
+            isq_scheme(ns.isq)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
     device = "cpu"
     if ns.device_ids:
         ids = [s for s in ns.device_ids.split(",") if s.strip()]
@@ -86,4 +93,4 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         chat_template=ns.chat_template, yarn_scaling_factor=ns.yarn_scaling_factor, num_threads=ns.num_threads,
         seed=ns.seed, max_gen_tokens=ns.max_gen_tokens, frequency_penalty=ns.frequency_penalty,
         presence_penalty=ns.presence_penalty, enforce_eager=ns.enforce_eager,
-        cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format)
+        cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format, quantization=ns.isq)

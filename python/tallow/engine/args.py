@@ -28,6 +28,7 @@ class EngineArgs:
     cuda_graph_max_bs: Optional[int] = None  # largest decode batch captured (default: max_num_seqs)
     async_scheduling: Optional[bool] = None  # overlap host work with the GPU (None: on for CUDA devices)
     load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shapes, made on the device)
+    quantization: Optional[str] = None  # --isq: quantize float weights to this GGUF type while loading (q4k, ...)
     chat_template: Optional[str] = None
     yarn_scaling_factor: Optional[float] = None
     num_threads: Optional[int] = None
@@ -62,6 +63,10 @@ class EngineArgs:
             bad(f"kv_cache_dtype must be auto, float16, bfloat16, float32 or fp8 (float8_e4m3), got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             bad(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization is not None:
+            from tallow.layers.quantization.isq import isq_scheme
+
+            isq_scheme(self.quantization)  # ValueError naming the valid types
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             bad(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not (self.model or self.weights_dir or self.gguf_file):

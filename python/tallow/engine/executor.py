@@ -61,7 +61,7 @@ def worker_config(args: EngineArgs, cfg, device: str, eos_ids, overlap_depth: in
     max_len = args.max_model_len or cfg.max_position_embeddings
     return WorkerConfig(
         dtype=dtype, kv_dtype=dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, device=device,
-        load_format=args.load_format, seed=args.seed or 0,
+        load_format=args.load_format, quantization=args.quantization, seed=args.seed or 0,
         max_positions=max(args.max_model_len or 0, cfg.max_position_embeddings), block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_tokens=max_batched_tokens(args), max_model_len=max_len,
         eos_ids=tuple(sorted(eos_ids)), overlap_depth=overlap_depth, step_timing=step_timing,

@@ -162,6 +162,10 @@ class LinearBase(Module):
         return {"q": 0, "k": 1, "v": 2}[shard_id]
 
     def dummy_parts(self) -> Iterator[tuple]:
+        if self.weight_parts is not None and not getattr(self, "tied", False):  # parts stored apart (GGUF)
+            for i, part in enumerate(self.weight_parts):
+                name = f"{self.dummy_names[i]}.weight" if self.dummy_names else f"{self.prefix}.weight.{i}"
+                yield part, name, "linear", self.input_size
         if self.weight is not None and not getattr(self, "tied", False):
             if self.dummy_names is None:
                 yield self.weight, self.prefix + ".weight", "linear", self.input_size
@@ -319,6 +323,12 @@ class ParallelLMHead(ColumnParallelLinear):
         self.quant_method = GGUFLinearMethod([w.dtype]) if w.dtype.is_block else UnquantizedLinearMethod()
         self.weight, self.weight_parts = w, None
         self.tied = True
+        self._tied_to = embedding
+
+    def process_weights_after_loading(self) -> None:
+        if self.tied:  # the embedding may have taken the checkpoint's tensor itself (a GGUF view on the CPU)
+            self.weight = self._tied_to.weight
+        super().process_weights_after_loading()
 
     def dummy_parts(self) -> Iterator[tuple]:
         if not self.tied:

@@ -55,7 +55,14 @@ def fill_dummy(model, seed: int = 0) -> dict[str, tuple]:
     for m in modules(model):
         for view, name, kind, fan_in in m.dummy_parts():
             lo, hi = value_range(kind, fan_in)
-            tallow.ops.fill_uniform_(view, lo, hi, tensor_seed(seed, name))
+            if view.dtype.is_block:  # in-situ quantized (--isq): the float values, quantized in place
+                from tallow.layers.quantization.isq import quantize_tensor
+
+                f = tallow.empty(list(view.shape), tallow.float32, str(view.device))
+                tallow.ops.fill_uniform_(f, lo, hi, tensor_seed(seed, name))
+                view.copy_(quantize_tensor(f, view.dtype, view.device))
+            else:
+                tallow.ops.fill_uniform_(view, lo, hi, tensor_seed(seed, name))
             filled[name] = (tuple(view.shape), kind)
     return filled
 

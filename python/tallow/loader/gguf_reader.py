@@ -37,7 +37,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
 }
 
 
@@ -171,8 +171,8 @@ class GGUFFile:
             if entry is not None:
                 _, block, type_size = entry
                 if shape and shape[-1] % block:
-                    raise GGUFError(f"{self.path}: tensor {name!r} of type {entry[0]} has rows of {shape[-1]} "
-                                    f"elements, not a whole number of {block}-element blocks")
+                    raise GGUFError(f"{self.path}: tensor {name!r} of type {entry[0]} and shape {list(shape)} has "
+                                    f"rows of {shape[-1]} elements, not a whole number of {block}-element blocks")
                 nbytes = numel // block * type_size
             self.tensors[name] = GGUFTensorInfo(name, shape, ggml_type, offset, nbytes)
         self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
@@ -205,7 +205,8 @@ class GGUFFile:
             return _core.dtype_from_ggml_type(info.ggml_type)
         except TypeError:
             raise GGUFError(f"{self.path}: tensor {name!r} has GGUF type {info.type_name} (id {info.ggml_type}), "
-                            "which tallow does not support") from None
+                            "which tallow does not support (it computes with F32, F16, BF16, Q4_0 ... Q8_0, "
+                            "Q2_K ... Q6_K, IQ4_NL and IQ4_XS); requantize the file to one of those") from None
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 array over the map (no copy), shaped

@@ -57,16 +57,25 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | Non
 
 
 def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_format: str = "auto", seed: int = 0,
-               max_positions: int | None = None, quant_config=None):
+               max_positions: int | None = None, quant_config=None, isq: str | None = None):
     """The model of `cfg` on `device` in `dtype`, its weights from `source` (a loader.source.ModelSource),
     or random ones when load_format == "dummy". The one entry point the engine's executor uses.
 
-    quant_config: a layers.quantization config (default: the checkpoint's own, e.g. GGUF block types)."""
+    quant_config: a layers.quantization config (default: the checkpoint's own, e.g. GGUF block types).
+    isq: an --isq type (q4k, q8_0, ...): float weights are quantized to it on `device` while they load
+    (layers/quantization/isq.py), with a progress bar."""
     cls = _check_family(cfg)
+    if isq is not None:
+        from tallow.layers.quantization import isq_config
+
+        if getattr(source, "kind", None) == "gguf" and load_format != "dummy":
+            raise ValueError(f"--isq {isq}: {source.path} is a GGUF file, already quantized; drop --isq, or "
+                             "quantize the safetensors checkpoint (tallow quantize re-types GGUF files)")
+        quant_config = isq_config(isq, cfg)
     if load_format == "dummy":
         from tallow.loader.dummy import fill_dummy
 
-        model = cls(cfg, dtype, max_positions, device=device)
+        model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config)
         fill_dummy(model, seed=seed or 0)
         return model
     from tallow.layers.quantization import config_for_checkpoint
@@ -80,7 +89,13 @@ def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_for
     if quant_config is None:
         quant_config = config_for_checkpoint(source, None if gguf is None else gguf.dtypes())
     model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config)
-    model.load_weights(iter_weights(source, gguf=gguf))
+    if getattr(quant_config, "name", None) == "isq":
+        from tallow.layers.quantization.isq import with_progress
+
+        weights = with_progress(iter_weights(source, progress=False, gguf=gguf), source, quant_config)
+    else:
+        weights = iter_weights(source, gguf=gguf)
+    model.load_weights(weights)
     return model
 
 
@@ -135,3 +150,34 @@ def num_params(cfg: ModelConfig, include_embedding: bool = True) -> int:
     the token embedding table, of which it reads one row per token)."""
     return sum(math.prod(shape) for name, shape in checkpoint_names(cfg).items()
                if include_embedding or name != "model.embed_tokens.weight")
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """{dtype name: bytes} of the model's parameters, each tensor counted once (a tied lm head shares
+    the token table), largest first."""
+    from tallow.layers.module import modules
+
+    seen, out = set(), {}
+    for m in modules(model):
+        for name in m.param_names:
+            for t in [getattr(m, name, None)] + list(getattr(m, "weight_parts", None) or []):
+                if t is None or t.nbytes == 0:
+                    continue
+                key = (str(t.device), t.data_ptr, t.nbytes)
+                if key in seen:
+                    continue
+                seen.add(key)
+                out[t.dtype.name] = out.get(t.dtype.name, 0) + t.nbytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def weight_memory_line(model, device: str) -> str:
+    """One start-up log line: "weights: 4.58 GiB on cuda:0 (q4_k 3.52, q6_k 0.98, float32 0.0003)" (GiB)."""
+    per = weight_bytes(model)
+    gib = 2.0 ** 30
+
+    def fmt(b: int) -> str:
+        v = b / gib
+        return f"{v:.2f}" if v >= 0.01 else f"{v:.2g}"
+
+    return f"weights: {fmt(sum(per.values()))} GiB on {device} ({', '.join(f'{k} {fmt(v)}' for k, v in per.items())})"

@@ -29,6 +29,7 @@ class WorkerConfig:
     kv_dtype: str
     device: str
     load_format: str = "auto"
+    quantization: Optional[str] = None  # --isq type (in-situ quantization while loading)
     seed: int = 0
     max_positions: int = 0  # positions the model's rotary tables cover
     block_size: int = 16
@@ -54,7 +55,10 @@ class Worker:
         # is built there (fusing, casting, dequantizing); dummy weights (load_format="dummy": random
         # values of the checkpoint's shapes) are made on the device.
         self.model = load_model(cfg, source, self.dtype, wc.device, load_format=wc.load_format, seed=wc.seed,
-                                max_positions=wc.max_positions)
+                                max_positions=wc.max_positions, isq=wc.quantization)
+        from tallow.models import weight_memory_line
+
+        log.info(weight_memory_line(self.model, wc.device))
         self.runner = ModelRunner(self.model, wc.block_size, self.kv_dtype, wc.device, max_num_seqs=wc.max_num_seqs,
                                   max_num_tokens=wc.max_num_tokens, max_model_len=wc.max_model_len,
                                   eos_ids=wc.eos_ids, overlap_depth=wc.overlap_depth, step_timing=wc.step_timing)

@@ -185,6 +185,15 @@ def test_router_parts_load_under_their_own_names(rng):
 
 
 # -- GGUF blocks --------------------------------------------------------------------------------------
+# ops.quant_linear may round each activation row to 8 bits per block (as llama.cpp does): a relative L2
+# error of ~2^-8 / sqrt(3) per product (test_gguf_linear.py), bounded here with margin
+GGUF_REL_L2 = 2e-2
+
+
+def _rel_l2(got, ref):
+    return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref))
+
+
 def _q8_0(a: np.ndarray):
     gguf = pytest.importorskip("gguf")
     Q = gguf.GGMLQuantizationType
@@ -200,12 +209,13 @@ def test_gguf_method_keeps_blocks_and_matches_dequantized_product(rng):
     qc = get_quantization_config("gguf", weight_dtypes=dtypes)
     layer = MergedColumnParallelLinear(H, [48, 48], prefix="m.gate_up_proj", part_names=["m.gate_proj", "m.up_proj"],
                                        quant_config=qc)
-    assert isinstance(layer.quant_method, GGUFLinearMethod) and layer.weight.dtype == gq.dtype
+    # on the CPU each part is the checkpoint tensor itself (layers/quantization/gguf.py)
+    assert isinstance(layer.quant_method, GGUFLinearMethod) and [p.dtype for p in layer.weight_parts] == [gq.dtype] * 2
     cmap = layer.checkpoint_map()
     for name, t in (("m.gate_proj.weight", gq), ("m.up_proj.weight", uq)):
         layer.weight_loader(cmap[name][0], t, cmap[name][1])
     x = rng.standard_normal((3, H)).astype(np.float32)
-    np.testing.assert_allclose(A(layer(T(x))), x @ np.concatenate([gd, ud]).T, rtol=1e-4, atol=1e-4)
+    assert _rel_l2(A(layer(T(x))), x @ np.concatenate([gd, ud]).T) < GGUF_REL_L2
     # a float tensor of the same file takes the unquantized method
     other = ColumnParallelLinear(H, 8, prefix="n", quant_config=qc)
     assert isinstance(other.quant_method, UnquantizedLinearMethod) and other.weight.dtype == tallow.float32
@@ -230,8 +240,7 @@ def test_gguf_method_with_parts_of_different_block_types(rng):
     layer.weight_loader("weight", kq, 1)
     layer.weight_loader("weight", T(v), 2)
     x = rng.standard_normal((2, H)).astype(np.float32)
-    np.testing.assert_allclose(A(layer(T(x))), x @ np.concatenate([qd, kd, v]).T.astype(np.float32),
-                               rtol=1e-4, atol=1e-4)
+    assert _rel_l2(A(layer(T(x))), x @ np.concatenate([qd, kd, v]).T) < GGUF_REL_L2
 
 
 def test_checkpoint_config_choice():

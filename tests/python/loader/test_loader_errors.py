@@ -6,6 +6,8 @@ import struct
 import numpy as np
 import pytest
 
+import tallow
+
 from tallow.loader.gguf_reader import GGUFError, GGUFFile
 from tallow.loader.safetensors_loader import SafetensorsCheckpoint, SafetensorsError
 from tallow.loader.source import ModelSourceError, load_weights, resolve_model_source
@@ -234,3 +236,81 @@ def test_gguf_rows_not_whole_blocks(tmp_path, rng):
 def test_gguf_unknown_architecture(tmp_path, rng):
     path = _write_gguf(tmp_path / "m.gguf", rng, arch="mamba")
     expect_error(load_via_source(path), path, "'mamba'", "not supported")
+
+
+# -- GGUF tensors tallow cannot compute, and truncated block data (files written by gguf-py) -------------
+def _write_raw_gguf(path, tensors: dict):
+    """A llama GGUF holding `tensors` ({name: (ggml type, uint8 [rows, bytes per row])}) as raw blocks."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    for n, (qtype, raw) in tensors.items():
+        w.add_tensor(n, raw, raw_dtype=qtype)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
+def _raw_blocks(rng, qtype, rows, k):
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    return rng.integers(0, 256, size=(rows, k // bs * ts), dtype=np.uint8)
+
+
+UNCOMPUTED = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4"]
+
+
+@pytest.mark.parametrize("type_name", UNCOMPUTED)
+def test_gguf_type_tallow_does_not_compute(tmp_path, rng, type_name):
+    from tallow.loader.gguf_weights import GGUFWeights
+
+    Q = gguf.GGMLQuantizationType
+    qtype = getattr(Q, type_name)
+    path = _write_raw_gguf(tmp_path / "m.gguf", {
+        "token_embd.weight": (Q.Q8_0, _raw_blocks(rng, Q.Q8_0, 8, 256)),
+        "blk.0.ffn_down.weight": (qtype, _raw_blocks(rng, qtype, 16, 256)),
+    })
+    g = GGUFFile(path)  # the header is fine: sizes of every ggml type are known
+    assert g.tensors["blk.0.ffn_down.weight"].type_name == type_name
+    words = ("'blk.0.ffn_down.weight'", type_name, "not support")
+    # load_model asks for every tensor's dtype before it allocates the model: the error comes at load
+    expect_error(lambda: GGUFWeights(path).dtypes(), path, *words)
+    err = expect_error(load_via_source(path), path, *words)
+    assert isinstance(err, GGUFError)
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])
+def test_gguf_iq4_types_load(tmp_path, rng, type_name):
+    from tallow.loader.gguf_weights import GGUFWeights
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    raw = _raw_blocks(rng, qtype, 16, 512)
+    path = _write_raw_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (qtype, raw)})
+    t = GGUFWeights(path).weights()["model.layers.0.mlp.down_proj.weight"]
+    assert t.dtype == getattr(tallow.DType, type_name.lower()) and tuple(t.shape) == (16, 512)
+    np.testing.assert_array_equal(GGUFFile(path).raw("blk.0.ffn_down.weight"), raw)
+    ref = gguf.quants.dequantize(raw, qtype)
+    np.testing.assert_array_equal(tallow.ops.dequantize(t, "float32").numpy(), ref)
+
+
+def test_truncated_gguf_names_the_tensor(tmp_path, rng):
+    Q = gguf.GGMLQuantizationType
+    path = _write_raw_gguf(tmp_path / "m.gguf", {
+        "blk.0.attn_v.weight": (Q.Q6_K, _raw_blocks(rng, Q.Q6_K, 32, 512)),
+        "blk.0.ffn_down.weight": (Q.Q4_K, _raw_blocks(rng, Q.Q4_K, 64, 512)),
+    })
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 64 * 144])  # half of the last tensor's blocks
+    err = expect_error(lambda: GGUFFile(path), path, "truncated", "'blk.0.ffn_down.weight'")
+    assert isinstance(err, GGUFError)
+    expect_error(load_via_source(path), path, "truncated", "'blk.0.ffn_down.weight'")
+
+
+def test_gguf_rows_not_whole_blocks_names_shape_and_type(tmp_path, rng):
+    path = _write_gguf(tmp_path / "m.gguf", rng)
+    data = bytearray(path.read_bytes())
+    pos = _offset_of_tensor_type(bytes(data), "token_embd.weight", 2)
+    data[pos - 16:pos - 8] = struct.pack("<Q", 100)  # ne0 = 100 elements per row
+    data[pos:pos + 4] = struct.pack("<I", 12)  # Q4_K: 256-element blocks
+    path.write_bytes(bytes(data))
+    expect_error(lambda: GGUFFile(path), path, "'token_embd.weight'", "Q4_K", "[8, 100]", "256-element blocks")
+    expect_error(load_via_source(path), path, "'token_embd.weight'", "Q4_K", "[8, 100]")

@@ -1,15 +1,20 @@
-"""dequant_linear: x @ dequantize(w)^T (+ bias) with w kept in its GGUF block format (CPU).
+"""quant_linear: x @ dequantize(w)^T (+ bias) with w kept in its GGUF block format (CPU).
 
 Weights: random floats quantized with the gguf package (gguf.quants.quantize) where it has a quantizer
-(q4_0, q4_1, q5_0, q5_1, q8_0); for the types it can only dequantize (k-quants) and the two it lacks
-(q8_1, q8_k) random blocks with scale fields of realistic magnitude. Each product test runs on the
-default CPU kernel set, on avx2 and on portable (the scalar reference row routines) where available. Inputs are fresh random normals
-every run (the `rng` fixture prints its seed).
+(q4_0, q4_1, q5_0, q5_1, q8_0); for the other types random blocks with scale fields of realistic magnitude.
+Each product test runs on the default CPU kernel set, on avx2 and on portable where available. Inputs are
+fresh random normals every run (the `rng` fixture prints its seed).
 
-Error bound, per output element: |out - ref| <= 4 * K * 2^-24 * (|x| @ |dequant(w)|^T), ref the float64
-product of the same f32 operands (the worst-case bound of an f32 sum of K products is K * 2^-24 times
-that; in practice it lands ~sqrt(K) lower); f16 / bf16 outputs add one rounding of |ref|. The result is
-also bit-identical to linear(x, dequantize(w)): the tiles never change how an output is summed.
+Two paths, two bounds per output element, ref = the float64 product of the same operands:
+ * prefill (M > 4 rows of x; and q8_1 / q8_k weights): |out - ref| <= 4 K 2^-24 (|x| @ |w|^T) (+ one
+   rounding of |ref| for f16/bf16 outputs): f32 sums of K products; bit-identical to linear(x, dequantize(w)).
+ * decode (M <= 4, every other type): x is quantized to 8 bits per block of B = 32 (B = 256 for the
+   K-quants and IQ4_XS) elements, x_k -> d q_k with d = max|x| / 127 over the block and |x_k - d q_k| <= d / 2
+   (<= 0.57 d when d is kept in f16, as llama.cpp's q8_0 does: 127 * 2^-11 more). So
+   |out - ref| <= 0.6 * sum_k d(k) |w_k| + the f32 term above: any correct 8-bit-activation kernel meets it.
+   On the CPU the kernel is also checked against an emulation of its own activation quantization
+   (q = nearest-even(x * 127 / max|x|), f32): then only f32 rounding remains, (K/32 + 8) 2^-20 of
+   |x| @ |w|^T, tight enough that one wrong 16-element sub-scale or nibble fails it.
 """
 import numpy as np
 import pytest
@@ -25,6 +30,27 @@ import gguf.quants  # noqa: E402
 from backend_ops.cases_dequant import BLOCKS  # noqa: E402
 TYPES = list(BLOCKS)
 QUANTIZABLE = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"}
+DECODE_TYPES = [t for t in TYPES if t not in ("q8_1", "q8_k")]  # quantized-dot kernels for small M
+DECODE_MAX_M = 4  # kDecodeMaxM in cpp/ops/quant_linear.cpp
+
+
+def act_block(name, M):
+    """Elements per 8-bit activation block when quant_linear takes its decode path, else 0."""
+    if M > DECODE_MAX_M or name not in DECODE_TYPES:
+        return 0
+    return 256 if BLOCKS[name][0] == 256 else 32
+
+
+def quantize_act(x64, blk):
+    """The CPU kernel's activation quantization, emulated: (d per element [M, K], dequantized x)."""
+    x = x64.astype(np.float32).reshape(x64.shape[0], -1, blk)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(x * inv)
+    return (np.broadcast_to(d, x.shape).reshape(x64.shape).astype(np.float64),
+            (q.astype(np.float64) * d.astype(np.float64)).reshape(x64.shape))
 
 
 def make_weight(rng, name, n, k):
@@ -65,8 +91,9 @@ def block_tensor(raw, name):
     return tallow.from_buffer(raw, dtype=name, shape=[raw.shape[0], raw.shape[1] // ts * bs])
 
 
-def check(out, x64, wref, bias=None, dtype_eps=0.0):
-    """out (numpy) against float64 x @ wref^T (+ bias) within the module's bound."""
+def check(out, x64, wref, bias=None, dtype_eps=0.0, act=0, emulate=True):
+    """out (numpy) against float64 x @ wref^T (+ bias) within the module's bound; act: the activation block
+    of the decode path (0: prefill). emulate: also the tight check against the emulated quantization."""
     w64 = wref.astype(np.float64)
     ref = x64 @ w64.T
     scale = np.abs(x64) @ np.abs(w64).T
@@ -75,9 +102,17 @@ def check(out, x64, wref, bias=None, dtype_eps=0.0):
         scale = scale + np.abs(bias.astype(np.float64))
     K = x64.shape[-1]
     bound = 4 * K * 2.0 ** -24 * scale + dtype_eps * np.abs(ref) + 1e-30
+    if act:
+        d, xq = quantize_act(x64, act)
+        bound = bound + 0.6 * (d @ np.abs(w64).T)
     err = np.abs(out.astype(np.float64) - ref)
     assert out.shape == ref.shape
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+    if act and emulate:
+        refq = xq @ w64.T + (0 if bias is None else bias.astype(np.float64))
+        tight = (K / 32 + 8) * 2.0 ** -20 * scale + dtype_eps * np.abs(ref) + 1e-30
+        errq = np.abs(out.astype(np.float64) - refq)
+        assert np.all(errq <= tight), f"vs emulated 8-bit x: max err/bound {np.max(errq / tight):.3g}"
     return float(np.max(err / bound))
 
 
@@ -91,8 +126,8 @@ def isa(request):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("M", [1, 3, 16, 17, 100])
-def test_dequant_linear_every_type(name, M, rng, isa):
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 17, 40])
+def test_quant_linear_every_type(name, M, rng, isa):
     bs = BLOCKS[name][0]
     K = 512 if bs == 256 else 32 * int(rng.integers(5, 20))
     N = 67  # not a multiple of any tile (tiles are multiples of 8 rows)
@@ -100,16 +135,18 @@ def test_dequant_linear_every_type(name, M, rng, isa):
     w = block_tensor(raw, name)
     x = rng.standard_normal((M, K)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
-    out = ops.dequant_linear(tallow.tensor(x), w, tallow.tensor(bias))
+    out = ops.quant_linear(tallow.tensor(x), w, tallow.tensor(bias))
     assert out.dtype == tallow.float32 and tuple(out.shape) == (M, N)
-    check(out.numpy(), x.astype(np.float64), wref, bias)
+    act = act_block(name, M)
+    check(out.numpy(), x.astype(np.float64), wref, bias, act=act)
     # The row routines in use (AVX2 or reference) are bit-exact with gguf's dequantizers.
     np.testing.assert_array_equal(ops.dequantize(w).numpy(), wref)
-    out_nb = ops.dequant_linear(tallow.tensor(x), w)
-    check(out_nb.numpy(), x.astype(np.float64), wref)
-    # Each output is summed as linear sums it (dot-product path for M <= 16, packed path above, whatever
-    # the tiles): bit-identical to linear on the dequantized weight.
-    np.testing.assert_array_equal(out_nb.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
+    out_nb = ops.quant_linear(tallow.tensor(x), w)
+    check(out_nb.numpy(), x.astype(np.float64), wref, act=act)
+    if not act:
+        # Prefill sums each output as linear sums it (packed path, whatever the tiles): bit-identical to
+        # linear on the dequantized weight.
+        np.testing.assert_array_equal(out_nb.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -133,16 +170,17 @@ def test_row_routines_bit_exact_any_scale(name, rng, isa):
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_k"])
 @pytest.mark.parametrize("M", [1, 5, 16, 64, 256])
-def test_dequant_linear_model_shapes(name, M, rng):
+def test_quant_linear_model_shapes(name, M, rng):
     # Larger N and K (many tiles on every thread), as a model's projections are.
     bs = BLOCKS[name][0]
     K, N = (768, 1000) if bs == 32 else (1536, 517)
     raw, wref = make_weight(rng, name, N, K)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = block_tensor(raw, name)
-    out = ops.dequant_linear(tallow.tensor(x), w)
-    check(out.numpy(), x.astype(np.float64), wref)
-    np.testing.assert_array_equal(out.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
+    out = ops.quant_linear(tallow.tensor(x), w)
+    check(out.numpy(), x.astype(np.float64), wref, act=act_block(name, M))
+    if not act_block(name, M):
+        np.testing.assert_array_equal(out.numpy(), ops.linear(tallow.tensor(x), ops.dequantize(w)).numpy())
 
 
 @pytest.mark.parametrize("M", [1, 3, 17, 100])
@@ -153,18 +191,18 @@ def test_strided_and_batched_x(M, rng):
     big = rng.standard_normal((M, K + 40)).astype(np.float32)
     xs = tallow.tensor(big).narrow(1, 24, K)  # rows 296 floats apart
     assert M == 1 or not xs.is_contiguous()
-    check(ops.dequant_linear(xs, w).numpy(), big[:, 24:24 + K].astype(np.float64), wref)
+    check(ops.quant_linear(xs, w).numpy(), big[:, 24:24 + K].astype(np.float64), wref, act=act_block(name, M))
     # Every other row of a 3-D x (rows not evenly spaced after merging: copied once).
     x3 = rng.standard_normal((2, 2 * M, K)).astype(np.float32)
     v = tallow.tensor(x3).slice(1, 0, 2 * M, 2)
-    out = ops.dequant_linear(v, w)
+    out = ops.quant_linear(v, w)
     assert tuple(out.shape) == (2, M, N)
-    check(out.numpy().reshape(-1, N), x3[:, ::2].reshape(-1, K).astype(np.float64), wref)
+    check(out.numpy().reshape(-1, N), x3[:, ::2].reshape(-1, K).astype(np.float64), wref, act=act_block(name, 2 * M))
     # A 1-D x.
     x1 = rng.standard_normal(K).astype(np.float32)
-    o1 = ops.dequant_linear(tallow.tensor(x1), w)
+    o1 = ops.quant_linear(tallow.tensor(x1), w)
     assert tuple(o1.shape) == (N,)
-    check(o1.numpy()[None], x1[None].astype(np.float64), wref)
+    check(o1.numpy()[None], x1[None].astype(np.float64), wref, act=act_block(name, 1))
 
 
 def test_strided_w_rows(rng):
@@ -173,10 +211,10 @@ def test_strided_w_rows(rng):
     raw, wref = make_weight(rng, name, N, K)
     w = block_tensor(raw, name)
     x = rng.standard_normal((3, K)).astype(np.float32)
-    out = ops.dequant_linear(tallow.tensor(x), w.slice(0, 1, N, 2))
-    check(out.numpy(), x.astype(np.float64), wref[1::2])
+    out = ops.quant_linear(tallow.tensor(x), w.slice(0, 1, N, 2))
+    check(out.numpy(), x.astype(np.float64), wref[1::2], act=act_block(name, 3))
     xn = rng.standard_normal((20, 128)).astype(np.float32)
-    out = ops.dequant_linear(tallow.tensor(xn), w.narrow(1, 64, 128))
+    out = ops.quant_linear(tallow.tensor(xn), w.narrow(1, 64, 128))
     check(out.numpy(), xn.astype(np.float64), wref[:, 64:192])
 
 
@@ -187,17 +225,17 @@ def test_half_inputs(dtype, eps, M, rng):
     raw, wref = make_weight(rng, name, N, K)
     x = tallow.tensor(rng.standard_normal((M, K)).astype(np.float32), dtype=dtype)
     b = tallow.tensor(rng.standard_normal(N).astype(np.float32), dtype=dtype)
-    out = ops.dequant_linear(x, block_tensor(raw, name), b)
+    out = ops.quant_linear(x, block_tensor(raw, name), b)
     assert out.dtype == getattr(tallow, dtype)
     x64 = x.to("float32").numpy().astype(np.float64)
-    check(out.to("float32").numpy(), x64, wref, b.to("float32").numpy(), dtype_eps=eps)
+    check(out.to("float32").numpy(), x64, wref, b.to("float32").numpy(), dtype_eps=eps, act=act_block(name, M))
 
 
 def test_float_weight_is_linear(rng):
     x = tallow.tensor(rng.standard_normal((5, 48)).astype(np.float32))
     w = tallow.tensor(rng.standard_normal((7, 48)).astype(np.float32))
     b = tallow.tensor(rng.standard_normal(7).astype(np.float32))
-    np.testing.assert_array_equal(ops.dequant_linear(x, w, b).numpy(), ops.linear(x, w, b).numpy())
+    np.testing.assert_array_equal(ops.quant_linear(x, w, b).numpy(), ops.linear(x, w, b).numpy())
 
 
 def test_independent_of_threads(rng):
@@ -208,12 +246,12 @@ def test_independent_of_threads(rng):
     x1 = tallow.tensor(rng.standard_normal((1, K)).astype(np.float32))
     n = _core.get_num_threads()
     try:
-        ref, ref1 = ops.dequant_linear(x, w).numpy(), ops.dequant_linear(x1, w).numpy()
+        ref, ref1 = ops.quant_linear(x, w).numpy(), ops.quant_linear(x1, w).numpy()
         _core.set_num_threads(1)
-        np.testing.assert_array_equal(ops.dequant_linear(x, w).numpy(), ref)
-        np.testing.assert_array_equal(ops.dequant_linear(x1, w).numpy(), ref1)
+        np.testing.assert_array_equal(ops.quant_linear(x, w).numpy(), ref)
+        np.testing.assert_array_equal(ops.quant_linear(x1, w).numpy(), ref1)
         _core.set_num_threads(3)
-        np.testing.assert_array_equal(ops.dequant_linear(x, w).numpy(), ref)
+        np.testing.assert_array_equal(ops.quant_linear(x, w).numpy(), ref)
     finally:
         _core.set_num_threads(n)
 
@@ -224,10 +262,10 @@ def test_out_and_empty(rng):
     w = block_tensor(raw, name)
     x = rng.standard_normal((4, K)).astype(np.float32)
     o = tallow.tensor(np.full((4, N), 7.0, np.float32))
-    r = ops.dequant_linear(tallow.tensor(x), w, out=o)
-    check(o.numpy(), x.astype(np.float64), wref)
+    r = ops.quant_linear(tallow.tensor(x), w, out=o)
+    check(o.numpy(), x.astype(np.float64), wref, act=act_block(name, 4))
     np.testing.assert_array_equal(r.numpy(), o.numpy())
-    assert tuple(ops.dequant_linear(tallow.tensor(np.zeros((0, K), np.float32)), w).shape) == (0, N)
+    assert tuple(ops.quant_linear(tallow.tensor(np.zeros((0, K), np.float32)), w).shape) == (0, N)
 
 
 def q_weight(rng, name="q4_0", n=8, k=64):
@@ -241,25 +279,25 @@ def ft(rng, shape, dtype="float32"):
 def test_errors(rng):
     w = q_weight(rng)  # q4_0 [8, 64]
     cases = [
-        (lambda: ops.dequant_linear(ft(rng, (3, 32)), w), ValueError,
-         r"^dequant_linear: x \[3, 32\] and w q4_0\[8, 64\]: x.shape\[-1\] = 32 must equal w.shape\[1\] = 64"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, ft(rng, (7,))), ValueError,
-         r"^dequant_linear: bias must have shape \[8\] for w q4_0\[8, 64\], got \[7\]"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, ft(rng, (1, 8))), ValueError,
-         r"^dequant_linear: bias must have shape \[8\]"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, ft(rng, (8,), "float16")), TypeError,
-         r"^dequant_linear: x .* and bias .* same dtype"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), tallow.from_numpy(np.ones((8, 64), np.int32))), TypeError,
-         r"^dequant_linear: w must be a GGUF block dtype .* got int32 tensor of shape \[8, 64\]"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), ft(rng, (8, 64), "bfloat16")), TypeError,
-         r"^dequant_linear: x \(float32\[3, 64\]\) and w \(bfloat16\[8, 64\]\)"),
-        (lambda: ops.dequant_linear(tallow.from_numpy(np.ones((3, 64), np.int32)), w), TypeError,
-         r"^dequant_linear: x must be float32, float16 or bfloat16, got int32"),
-        (lambda: ops.dequant_linear(w, w), TypeError, r"^dequant_linear: x must be float32"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w.unsqueeze(0)), ValueError,
-         r"^dequant_linear: w must be 2-D \[N, K\], got q4_0 shape \[1, 8, 64\]"),
-        (lambda: ops.dequant_linear(ft(rng, (3, 64)), w, out=ft(rng, (3, 9))), ValueError,
-         r"^dequant_linear: out has shape \[3, 9\], expected \[3, 8\]"),
+        (lambda: ops.quant_linear(ft(rng, (3, 32)), w), ValueError,
+         r"^quant_linear: x \[3, 32\] and w q4_0\[8, 64\]: x.shape\[-1\] = 32 must equal w.shape\[1\] = 64"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), w, ft(rng, (7,))), ValueError,
+         r"^quant_linear: bias must have shape \[8\] for w q4_0\[8, 64\], got \[7\]"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), w, ft(rng, (1, 8))), ValueError,
+         r"^quant_linear: bias must have shape \[8\]"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), w, ft(rng, (8,), "float16")), TypeError,
+         r"^quant_linear: x .* and bias .* same dtype"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), tallow.from_numpy(np.ones((8, 64), np.int32))), TypeError,
+         r"^quant_linear: w must be a GGUF block dtype .* got int32 tensor of shape \[8, 64\]"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), ft(rng, (8, 64), "bfloat16")), TypeError,
+         r"^quant_linear: x \(float32\[3, 64\]\) and w \(bfloat16\[8, 64\]\)"),
+        (lambda: ops.quant_linear(tallow.from_numpy(np.ones((3, 64), np.int32)), w), TypeError,
+         r"^quant_linear: x must be float32, float16 or bfloat16, got int32"),
+        (lambda: ops.quant_linear(w, w), TypeError, r"^quant_linear: x must be float32"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), w.unsqueeze(0)), ValueError,
+         r"^quant_linear: w must be 2-D \[N, K\], got q4_0 shape \[1, 8, 64\]"),
+        (lambda: ops.quant_linear(ft(rng, (3, 64)), w, out=ft(rng, (3, 9))), ValueError,
+         r"^quant_linear: out has shape \[3, 9\], expected \[3, 8\]"),
     ]
     for call, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -267,10 +305,8 @@ def test_errors(rng):
 
 
 @pytest.mark.skipif(not tc.is_available(), reason="needs a CUDA device (tallow built with CUDA)")
-def test_cuda_tensor_raises(rng):
+def test_mixed_devices_raise(rng):
     w = q_weight(rng)
     x = ft(rng, (2, 64))
-    with pytest.raises(ValueError, match=r"^dequant_linear: .*cuda.*compose dequantize and linear"):
-        ops.dequant_linear(x.to("cuda"), w.to("cuda"))
-    with pytest.raises(ValueError, match=r"^dequant_linear: tensors on different devices"):
-        ops.dequant_linear(x, w.to("cuda"))
+    with pytest.raises(ValueError, match=r"^quant_linear: tensors on different devices"):
+        ops.quant_linear(x, w.to("cuda"))

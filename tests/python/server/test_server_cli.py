@@ -42,7 +42,7 @@ def test_help_documents_every_flag(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--fp8-kvcache", "--w", "x"], "--fp8-kvcache needs a CUDA device"),
-    (["--isq", "q4k", "--w", "x"], "--isq q4k"),
+    (["--isq", "q9k", "--w", "x"], "--isq q9k"),
     (["--port", "70000", "--w", "x"], "--port must be in 0..65535"),
     (["--enforce-parser", "yaml", "--w", "x"], "invalid choice"),
     (["--bogus"], "unrecognized arguments: --bogus"),

@@ -6,6 +6,8 @@ per layer, for the method that layer's parameters use (vLLM's QuantizationConfig
     unquantized  UnquantizedLinearMethod / UnquantizedEmbeddingMethod (layers/quantization/unquantized.py)
     gguf         GGUFLinearMethod / GGUFEmbeddingMethod for block-typed tensors, the unquantized ones
                  for float tensors of the same file (layers/quantization/gguf.py)
+    isq          in-situ quantization of float checkpoints to GGUF block types while loading (--isq q4k;
+                 layers/quantization/isq.py): ISQConfig, built by `isq_config(name, model_config)`
 
 A new format (GPTQ, AWQ, FP8, ...) is one more module here with its config class and methods, registered
 with `register_quantization("name", ConfigClass)`; `config_for_checkpoint` picks it from the checkpoint.
@@ -48,6 +50,14 @@ def get_quantization_config(name: str, **kwargs) -> QuantizationConfig:
     except KeyError:
         raise ValueError(f"unknown quantization {name!r}; known: {', '.join(sorted(_FORMATS))}") from None
     return cls(**kwargs)
+
+
+def isq_config(name: str, model_config) -> QuantizationConfig:
+    """The config that quantizes a float checkpoint to `name` (an --isq value: q4_0 ... q8_0, q2k ... q6k)
+    while it loads; ValueError listing the valid names for an unknown one."""
+    from tallow.layers.quantization.isq import isq_config as make
+
+    return make(name, model_config)
 
 
 def config_for_checkpoint(source=None, weight_dtypes: Optional[dict] = None) -> QuantizationConfig:

@@ -20,6 +20,9 @@ BLOCKS = {
     "q5_k": (256, 176, (0, 2), ()),
     "q6_k": (256, 210, (208,), ()),
     "q8_k": (256, 292, (), (0,)),
+    # non-linear 4-bit: f16 d, then (IQ4_XS) 6-bit sub-scales whose every bit pattern is valid, then nibbles
+    "iq4_nl": (32, 18, (0,), ()),
+    "iq4_xs": (256, 136, (0,), ()),
 }
 
 

@@ -4,12 +4,14 @@ Tolerances:
 - float table, output in the table's dtype or f32: 0 — rows are copied (or widened exactly), and
   the reference reads the same rounded table.
 - f32 table read out as bf16: one rounding per element, relative L2 <= 2^-8 / sqrt(3) ~ 2.3e-3 < 4e-3.
-- Q8_0 / Q4_K tables: 0 — dequantize_row_f32 is bit-exact with gguf.quants.dequantize (ggml).
+- Q8_0 / Q4_K / IQ4_NL / IQ4_XS tables: 0 — dequantize_row_f32 is bit-exact with gguf.quants.dequantize (ggml).
 """
 import numpy as np
 
 from backend_ops import Keep, OpCase, register
 import tallow
+
+from .cases_dequant import BLOCKS, random_blocks
 
 EXACT = {"float32": 0.0, "float16": 0.0, "bfloat16": 0.0}
 
@@ -63,6 +65,11 @@ def _q4_k_bytes(rng, v, d):
     return raw.reshape(v, nb * 144)
 
 
+def _random_block_bytes(name):
+    # random blocks with valid scale fields, as the dequantize cases make them
+    return lambda rng, v, d: random_blocks(rng, name, v, d // BLOCKS[name][0])
+
+
 def _block_case(name, qtype, make_bytes, v, d, ids_shape, out_dtype=None, tol=0.0):
     def make(rng, dtype):
         ids = _ids(rng, ids_shape, v, np.int64)
@@ -103,4 +110,6 @@ register(
     _block_case("q8_0", "q8_0", _q8_0_bytes, v=40, d=128, ids_shape=(2, 6)),
     _block_case("q8_0-to-bf16", "q8_0", _q8_0_bytes, v=30, d=64, ids_shape=(5,), out_dtype="bfloat16", tol=4e-3),
     _block_case("q4_k", "q4_k", _q4_k_bytes, v=12, d=512, ids_shape=(7,)),
+    _block_case("iq4_nl", "iq4_nl", _random_block_bytes("iq4_nl"), v=20, d=96, ids_shape=(2, 4)),
+    _block_case("iq4_xs", "iq4_xs", _random_block_bytes("iq4_xs"), v=12, d=512, ids_shape=(7,)),
 )

@@ -1,0 +1,168 @@
+// The x86 kernel body of quant_dot.h, included by quant_dot.cpp once per kernel set inside a target region
+// and its own namespace: TALLOW_QDOT_VNNI 0 = AVX2 (maddubs + madd), 1 = AVX2 + 256-bit VNNI (vpdpbusd).
+// Each weight type's group(b, g) unpacks 32 quants of a W block to bytes in one register: u = w + kOffset
+// (unsigned, <= 63) or, for the int8-wide types, w itself, multiplied by x with the sign trick (|w| times
+// x with w's sign, exact for |w| <= 128); see quant_dot_blocks.h.
+// (No include guard on purpose.)
+
+inline __m256i qd_nibbles(const uint8_t* qs) {  // qs[16] -> low nibbles (elements 0..15) | high (16..31)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+// Byte i = 0xFF where bit i of the 32-bit word at p is set.
+inline __m256i qd_bits32(const uint8_t* p) {
+  const __m256i sel = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)ld_u32(p)), sel);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
+inline __m256i qd_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i qd_srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+// 0xFF where (byte & bit) != 0.
+inline __m256i qd_test(__m256i v, int bit) {
+  const __m256i m = _mm256_set1_epi8((char)bit);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m);
+}
+inline __m256i qd_iq4(__m256i nib) {
+  const __m128i t = _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Values));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+}
+
+template <class B> struct Vec;
+template <> struct Vec<Q4_0B> {
+  static __m256i group(const uint8_t* b, int) { return qd_nibbles(b + 2); }
+};
+template <> struct Vec<Q4_1B> {
+  static __m256i group(const uint8_t* b, int) { return qd_nibbles(b + 4); }
+};
+template <> struct Vec<Q5_0B> {  // nibble | 16 where the bit is set
+  static __m256i group(const uint8_t* b, int) {
+    return _mm256_or_si256(qd_nibbles(b + 6), _mm256_and_si256(qd_bits32(b + 2), _mm256_set1_epi8(16)));
+  }
+};
+template <> struct Vec<Q5_1B> {
+  static __m256i group(const uint8_t* b, int) {
+    return _mm256_or_si256(qd_nibbles(b + 8), _mm256_and_si256(qd_bits32(b + 4), _mm256_set1_epi8(16)));
+  }
+};
+template <> struct Vec<Q8_0B> {
+  static __m256i group(const uint8_t* b, int) { return qd_load(b + 2); }
+};
+template <> struct Vec<IQ4_NLB> {
+  static __m256i group(const uint8_t* b, int) { return qd_iq4(qd_nibbles(b + 2)); }
+};
+template <> struct Vec<Q2_KB> {
+  static __m256i group(const uint8_t* b, int g) {
+    return _mm256_and_si256(qd_srl16(qd_load(b + 16 + 32 * (g >> 2)), 2 * (g & 3)), _mm256_set1_epi8(3));
+  }
+};
+template <> struct Vec<Q3_KB> {  // 2 bits | 4 where hmask bit g is set
+  static __m256i group(const uint8_t* b, int g) {
+    const __m256i lo = _mm256_and_si256(qd_srl16(qd_load(b + 32 + 32 * (g >> 2)), 2 * (g & 3)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_and_si256(qd_test(qd_load(b), 1 << g), _mm256_set1_epi8(4)));
+  }
+};
+template <> struct Vec<Q4_KB> {
+  static __m256i group(const uint8_t* b, int g) {
+    return _mm256_and_si256(qd_srl16(qd_load(b + 16 + 32 * (g >> 1)), 4 * (g & 1)), _mm256_set1_epi8(15));
+  }
+};
+template <> struct Vec<Q5_KB> {
+  static __m256i group(const uint8_t* b, int g) {
+    const __m256i lo = _mm256_and_si256(qd_srl16(qd_load(b + 48 + 32 * (g >> 1)), 4 * (g & 1)), _mm256_set1_epi8(15));
+    return _mm256_or_si256(lo, _mm256_and_si256(qd_test(qd_load(b + 16), 1 << g), _mm256_set1_epi8(16)));
+  }
+};
+template <> struct Vec<Q6_KB> {
+  static __m256i group(const uint8_t* b, int g) {
+    const int h = g >> 2, j = g & 3;
+    const __m256i ql = qd_load(b + 64 * h + 32 * (j & 1));
+    const __m256i lo = _mm256_and_si256(qd_srl16(ql, 4 * (j >> 1)), _mm256_set1_epi8(15));
+    const __m256i hi = _mm256_and_si256(qd_srl16(qd_load(b + 128 + 32 * h), 2 * j), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+};
+template <> struct Vec<IQ4_XSB> {
+  static __m256i group(const uint8_t* b, int g) { return qd_iq4(qd_nibbles(b + 8 + 16 * g)); }
+};
+
+// The block's f16 d / m / dmin with F16C (one instruction; the portable loader branches on the exponent).
+inline float qd_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float qd_hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sum over 32 bytes of w * x as 8 int32 lanes (lanes 0-3: elements 0-15, 4-7: 16-31). Signed w (kOffset < 0):
+// |w| times x with w's sign; unsigned u <= 63: u times x (no int16 saturation in maddubs: 2 * 63 * 127).
+template <class B>
+inline __m256i qd_dot32(__m256i q, const int8_t* x) {
+  __m256i u = q, xs = qd_load(x);
+  if constexpr (B::kOffset < 0) u = _mm256_sign_epi8(q, q), xs = _mm256_sign_epi8(xs, q);
+#if TALLOW_QDOT_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xs);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), _mm256_set1_epi16(1));
+#endif
+}
+template <class B>
+inline __m256i qd_dot32_scaled(__m256i q, const int8_t* x, __m256i s16) {  // 16-bit sub-scales per 16 elements
+  __m256i u = q, xs = qd_load(x);
+  if constexpr (B::kOffset < 0) u = _mm256_sign_epi8(q, q), xs = _mm256_sign_epi8(xs, q);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), s16);
+}
+
+// out[m] = dot(W row at w, activation row act[m]) for m < MR; nb blocks of W.
+template <class B, int MR>
+void dot_row(const uint8_t* w, const uint8_t* const* act, int64_t nb, float* out) {
+  __m256 acc[MR];
+  float accm[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = 0.f;
+  for (int64_t ib = 0; ib < nb; ++ib, w += B::kBytes) {
+    if constexpr (B::kBlock == 32) {
+      const __m256i q = Vec<B>::group(w, 0);
+      const float d = qd_f16(w + B::kDAt);
+      float c = 0.f;  // weight of the activation block's sum s: the min, or -offset * d
+      if constexpr (B::kMin) c = qd_f16(w + B::kMAt);
+      if constexpr (B::kOffset > 0) c = -(float)B::kOffset * d;
+      for (int m = 0; m < MR; ++m) {
+        const Act32* a = reinterpret_cast<const Act32*>(act[m]) + ib;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qd_dot32<B>(q, a->q)), _mm256_set1_ps(d * a->d), acc[m]);
+        if constexpr (B::kMin || B::kOffset > 0) accm[m] += c * a->s;
+      }
+    } else {
+      alignas(32) int16_t sc[16], mn[16];
+      B::scales(w, sc, mn);
+      float dmin = 0.f;  // mn: the sub-mins (times dmin), or offset * sub-scales (times d)
+      const float d = qd_f16(w + B::kDAt);
+      if constexpr (B::kMin) dmin = qd_f16(w + B::kMAt);
+      if constexpr (B::kOffset > 0) {
+        for (int j = 0; j < 16; ++j) mn[j] = (int16_t)(B::kOffset * sc[j]);
+        dmin = d;
+      }
+      const Act256* a[MR];
+      __m256i isum[MR];
+      for (int m = 0; m < MR; ++m)
+        a[m] = reinterpret_cast<const Act256*>(act[m]) + ib, isum[m] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i q = Vec<B>::group(w, g);
+        const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+        for (int m = 0; m < MR; ++m) isum[m] = _mm256_add_epi32(isum[m], qd_dot32_scaled<B>(q, a[m]->q + 32 * g, s16));
+      }
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a[m]->d), acc[m]);
+        if constexpr (B::kMin || B::kOffset > 0) {
+          const __m256i mb = _mm256_madd_epi16(qd_load(mn), qd_load(a[m]->bsums));
+          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mb), _mm256_set1_ps(dmin * a[m]->d), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = qd_hsum(acc[m]) + accm[m];
+}
