@@ -234,7 +234,7 @@ def test_gguf_q8_0_matches_dequantized_reference(ref, tmp_path, monkeypatch):
     ref_tokens = [hf_greedy(model, p) for p in ref.prompts]
     ref_logits = [hf_first_logits(model, p) for p in ref.prompts]
     tokens, logits, _ = run_tallow(str(path), ref.prompts)
-    check(tokens, logits, ref_tokens, ref_logits, f"{ref.case.id} (GGUF Q8_0)")
+    zoo.check_q8_activations(tokens, logits, ref_tokens, ref_logits, f"{ref.case.id} (GGUF Q8_0)")
 
 
 def test_moe_families_are_registered():
