@@ -115,6 +115,36 @@ def main() -> int:
             print(f"  check {qt:7s} K={K:5d} M={M:3d}: rel L2 err {err:.2e} (bound {bound:.0e}) {'ok' if ok else 'FAIL'}")
             if not ok:
                 return 1
+    # W of many rows: above 8 rows of x, W is dequantized in L2-sized row chunks (about 20 MiB of x's dtype,
+    # a few thousand rows at K = 4096), each chunk's product written into its columns of out. The lm head
+    # (>= 50 chunks) and 10001 rows (a tail chunk that is not a multiple of 128 rows); one of them captured.
+    for qt, N, M, in_graph in (("q6_k", 128256, 17, False), ("q6_k", 128256, 64, False),
+                               ("q4_k", 128256, 17, False), ("q4_k", 128256, 64, False),
+                               ("q4_k", 10001, 40, False), ("q6_k", 10001, 64, True)):
+        K = 4096
+        w = random_blocks(rng, qt, N, K).to("cuda")
+        wd = tallow.ops.dequantize(w, "float32")
+        x = tallow.from_numpy(rng.standard_normal((M, K)).astype(np.float32)).to("cuda")
+        bias = tallow.from_numpy(rng.standard_normal(N).astype(np.float32)).to("cuda")
+        xc, bc = tallow.ops.cast(x, a.dtype), tallow.ops.cast(bias, a.dtype)
+        if in_graph:
+            got = tallow.empty([M, N], a.dtype, "cuda")
+            tallow.ops.quant_linear(xc, w, bc, out=got)  # eager first: cuBLASLt's timing runs outside capture
+            got = tallow.empty([M, N], a.dtype, "cuda")
+            g = tc.CUDAGraph()
+            with tc.graph(g):
+                tallow.ops.quant_linear(xc, w, bc, out=got)
+            g.replay()
+            tc.synchronize()
+        else:
+            got = tallow.ops.quant_linear(xc, w, bc)
+        err = rel_err(got, tallow.ops.linear(x, wd, bias))
+        ok = err <= 1e-2
+        print(f"  check {qt:7s} N={N:6d} K={K:5d} M={M:3d}{' in a graph' if in_graph else ''} (row chunks): "
+              f"rel L2 err {err:.2e} (bound 1e-02) {'ok' if ok else 'FAIL'}")
+        if not ok:
+            return 1
+        del w, wd
     # Under graph capture (the decode kernels then launch with PDL): several products back to back, each
     # with its own x, replayed, must equal the eager calls bit for bit.
     for qt in sorted({s[3] for s in shapes}):

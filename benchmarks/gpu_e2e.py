@@ -156,6 +156,8 @@ def make_llm(model_dir: str, args, **extra):
 
     kw = dict(device=args.device, dtype="bfloat16", load_format="dummy", enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype)
+    if args.isq:
+        kw["quantization"] = args.isq
     kw.update(extra)
     t0 = time.perf_counter()
     llm = tallow.LLM(model=model_dir, **kw)
@@ -194,12 +196,21 @@ def model_cfg(cfg: dict):
     return ModelConfig.from_hf_dict(cfg)
 
 
-def decode_weight_bytes(cfg: dict) -> int:
-    """Bytes of bf16 weights one decode step reads: all but the token embedding table (one row per token), but
-    the table is read whole as the lm_head when the embeddings are tied."""
+def decode_weight_bytes(cfg: dict, llm=None) -> int:
+    """Bytes of weights one decode step reads: all but the token embedding table (one row per token), but
+    the table is read whole as the lm_head when the embeddings are tied. bf16 from the shape; with --isq the
+    model's own parameter bytes (block types) less an untied embedding table."""
     from tallow.models import num_params
 
     c = model_cfg(cfg)
+    if llm is not None and engine_of(llm).args.quantization:
+        from tallow.models import weight_bytes
+
+        model = engine_of(llm).executor.worker.model
+        total = sum(weight_bytes(model).values())
+        if not c.tie_word_embeddings:
+            total -= model.embed_tokens.weight.nbytes
+        return total
     n = num_params(c, include_embedding=False)
     if c.tie_word_embeddings:
         n += c.vocab_size * c.hidden_size
@@ -257,11 +268,12 @@ def run_decode8b(llm, args, rng, bw: float) -> list[dict]:
     tok_s = statistics.median(r[0] for r in runs)
     ttft = statistics.median(r[1] for r in runs)
     avg_ctx = statistics.mean(prompt_len + j for j in range(1, gen))  # KV read by the steps that make tokens 2..gen
-    w_bytes = decode_weight_bytes(LLAMA3_8B)
+    w_bytes = decode_weight_bytes(LLAMA3_8B, llm)
     kv_bytes = kv_bytes_per_token(LLAMA3_8B, args.kv_cache_dtype) * avg_ctx
     bound = bw / (w_bytes + kv_bytes)
     return [
-        measurement(args, "decode8b", f"llama3_8b_bf16_decode_b1_p{prompt_len}_g{gen}_tok_s", tok_s, "tok/s", bound,
+        measurement(args, "decode8b", f"llama3_8b_{args.isq or 'bf16'}_decode_b1_p{prompt_len}_g{gen}_tok_s", tok_s,
+                    "tok/s", bound,
                     {"runs_tok_s": [r[0] for r in runs], "ttft_ms_128_tokens": ttft * 1e3,
                      "copy_bandwidth_GB_s": bw / 1e9, "weight_bytes_per_token": w_bytes,
                      "kv_bytes_per_token": kv_bytes, "average_context": avg_ctx,
@@ -323,7 +335,7 @@ def run_nanovllm(llm, args, bw: float) -> list[dict]:
                "runs_tok_s": [r[0] for r in runs], "temperature": args.temperature,
                "ceiling_is": "the issue's target of 20,000 output tok/s on one H100 (a target, not a bound)"}
     return [
-        measurement(args, "nanovllm", "qwen3_0.6b_nanovllm_256seq_output_tok_s", tok_s, "tok/s",
+        measurement(args, "nanovllm", f"qwen3_0.6b_{args.isq or 'bf16'}_nanovllm_256seq_output_tok_s", tok_s, "tok/s",
                     ISSUE_NANOVLLM_TARGET, details),
         measurement(args, "nanovllm", "qwen3_0.6b_nanovllm_256seq_engine_steps", steps, "steps", None,
                     {"what": "engine steps (prefill chunks and decode steps, batched together) of the timed run"}),
@@ -455,6 +467,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
+    p.add_argument("--isq", default=None, help="quantize the dummy weights at load (e.g. q4k, q8_0), as --isq does")
     p.add_argument("--json", default=None, help="results file (default benchmarks/results/e2e_<device>.json)")
     p.add_argument("--prediction", action="append", default=[], metavar="NAME=VALUE",
                    help="the prediction written before optimising; NAME is a measurement name or a target "

@@ -288,9 +288,10 @@ bool batch_stride(const Tensor& t, int64_t& count, int64_t& stride) {
 }
 
 // C[batch][M, N] (contiguous) = A[batch][M, K] * B[batch][K, N] (+ bias[N]); A, B shaped [..., M, K] /
-// [..., K, N] with identical batch dims (expanded), any strides.
+// [..., K, N] with identical batch dims (expanded), any strides. ldc > 0 (batch 1 only): C's row stride,
+// so C may be a column slice of a wider row-major matrix.
 void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tensor* bias, Tensor& C, int64_t M, int64_t N,
-             int64_t K, cudaStream_t stream) {
+             int64_t K, cudaStream_t stream, int64_t ldc = 0) {
   Tensor A = A_in, B = B_in;
   int64_t ba = 1, sa = 0, bb = 1, sb = 0;
   if (!batch_stride(A, ba, sa)) A = contiguous(A), batch_stride(A, ba, sa);
@@ -321,7 +322,9 @@ void lt_gemm(const char* op, const Tensor& A_in, const Tensor& B_in, const Tenso
   key.batch = batch;
   key.a = lb;
   key.b = la;
-  key.ldc = N;
+  TALLOW_CHECK(ldc <= 0 || (batch == 1 && ldc >= N), op, ": row stride ", ldc, " of out needs one product of ", N,
+               " columns");
+  key.ldc = ldc > 0 ? ldc : N;
   key.c_stride = M * N;
   key.bias = bias != nullptr;
   key.align_a = alignment(B.data_ptr());
@@ -423,6 +426,24 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bia
   }
   lt_gemm(op, x2, w.transpose(0, 1), hb ? &bc : nullptr, o2, M, N, K, ctx.stream);
   return o;
+}
+
+// o2[M, N] (row stride o2.stride(0) >= N, unit column stride: e.g. a column slice of a wider output) =
+// x2[M, K] * w[N, K]^T (+ bias[N], contiguous); x2 and w 2-D with K > 0. The same kernels as linear.
+void linear_2d_into(const Tensor& x2, const Tensor& w, const Tensor* bias, Tensor& o2) {
+  const char* op = "linear";
+  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
+  TALLOW_CHECK(o2.dim() == 2 && o2.size(0) == M && o2.size(1) == N && o2.stride(1) == 1 && o2.stride(0) >= N, op,
+               ": out view of shape ", shape_str(o2.shape()), " must be [", M, ", ", N, "] with unit column stride");
+  if (M == 0 || N == 0) return;
+  OpContext ctx(x2);
+  if (M <= skinny_max_m() && gemv_supported(x2.dtype(), M, N, K, x2.data_ptr(), x2.stride(0), x2.stride(1),
+                                            w.data_ptr(), w.stride(0), w.stride(1), o2.stride(0))) {
+    gemv(x2.dtype(), x2.data_ptr(), x2.stride(0), (int)M, w.data_ptr(), w.stride(0), bias ? bias->data_ptr() : nullptr,
+         o2.data_ptr(), o2.stride(0), N, K, ctx.stream);
+    return;
+  }
+  lt_gemm(op, x2, w.transpose(0, 1), bias, o2, M, N, K, ctx.stream, o2.stride(0));
 }
 
 // gated_linear (ops/gated_linear.h): decode shapes through the gated gemv, which applies the activation

@@ -42,6 +42,9 @@ Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> ou
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
               const std::optional<Tensor>& out = std::nullopt);
+// o2[M, N] (a row-major view with row stride >= N, e.g. a column slice of a wider out) = x2[M, K] * w[N, K]^T
+// (+ bias[N], contiguous): linear's kernels writing in place (quant_linear's chunked prefill).
+void linear_2d_into(const Tensor& x2, const Tensor& w, const Tensor* bias, Tensor& o2);
 Tensor gated_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias, const std::string& activation, const std::optional<Tensor>& out);
 // quant_linear.cu (ops/quant_linear.h): w in a GGUF block dtype; q8 activations + __dp4a up to 8 rows
 Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,

@@ -8,9 +8,11 @@
 //   once to x's dtype.
 // - More rows (prefill, and decode batches of 9-16): W dequantized into a scratch of x's dtype through
 //   the same decoders (a warp per 32 units, stores staged in shared memory; dequantize_rows where W is
-//   not aligned for the word loads), then the CUDA linear (its gemv up to 16 rows, else cuBLASLt).
+//   not aligned for the word loads), then the CUDA linear (its gemv up to 16 rows, else cuBLASLt); a W larger
+//   than kPrefillChunkBytes in row chunks through one reused scratch, each product written into its columns.
 // No host sync, no allocation outside the caching allocator: capturable in a CUDA graph. Under capture
 // on sm_90 the product is launched with PDL (pdl.cuh) and loads its first weights while x is quantized.
+#include <algorithm>
 #include <climits>
 
 #include "dequant.cuh"
@@ -29,6 +31,12 @@ constexpr const char* kOp = "quant_linear";
 // rows it loses on every one (q/o 31.9 vs ~23 us, lm_head 781 vs ~680 us): its x loads grow with M.
 constexpr int kMaxDecodeRows = 8;
 constexpr int kThreads = 128;       // threads of a decode CTA
+// More rows: W is dequantized in chunks of whole rows of about this many bytes of x's dtype (a multiple of
+// kPrefillChunkRowAlign rows, at least one such group), each chunk's product run before the next chunk is
+// decoded into the same scratch: the chunk stays resident in L2 (50 MB on H100) while the GEMM rereads it,
+// instead of a full copy of W (1 GiB bf16 for a 128256 x 4096 lm head) allocated and streamed through HBM.
+constexpr int64_t kPrefillChunkBytes = int64_t(20) << 20;
+constexpr int64_t kPrefillChunkRowAlign = 128;  // whole GEMM tiles of output columns per chunk
 // W rows a decode CTA takes (each thread decodes one unit of each, then reuses every x load that many
 // times): 2 for 1-2 rows of x (more CTAs for small N), 4 from 3 rows, where the x loads from L1 dominate.
 constexpr int rows_per_cta(int mb) { return mb <= 2 ? 2 : 4; }
@@ -226,27 +234,52 @@ Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   const bool decode = K > 0 && M <= kMaxDecodeRows && K <= INT_MAX / 2 && N <= INT_MAX / 2 &&
                       aligned_to(wbase, (size_t)decode_alignment(wt)) && w_row_bytes % decode_alignment(wt) == 0;
   if (!decode) {
-    Tensor wd = Tensor::empty({N, K}, x.dtype(), x.device());
-    if (K > 0 && aligned_to(wbase, (size_t)decode_alignment(wt)) && w_row_bytes % decode_alignment(wt) == 0) {
-      const int64_t units_per_row = K / 32, n_units = N * units_per_row;
-      const unsigned grid = grid_for(ceil_div(n_units, 32) * 32, kDequantWarps * 32);
+    // Rows [n0, n0 + nc) of W -> dst [nc, K] of x's dtype.
+    auto dequant_chunk = [&](int64_t n0, int64_t nc, void* dst) {
+      const uint8_t* src = wbase + n0 * w_row_bytes;
+      if (K > 0 && aligned_to(wbase, (size_t)decode_alignment(wt)) && w_row_bytes % decode_alignment(wt) == 0) {
+        const int64_t units_per_row = K / 32, n_units = nc * units_per_row;
+        const unsigned grid = grid_for(ceil_div(n_units, 32) * 32, kDequantWarps * 32);
 #define TALLOW_DEQ_GEMM_CASE(T)                                                                              \
   case DType::T:                                                                                             \
     dequant_for_gemm_kernel<DType::T, scalar_t><<<grid, kDequantWarps * 32, 0, ctx.stream>>>(               \
-        wbase, w_row_bytes, units_per_row, n_units, static_cast<scalar_t*>(wd.data_ptr()));                  \
+        src, w_row_bytes, units_per_row, n_units, static_cast<scalar_t*>(dst));                              \
     break;
-      TALLOW_CUDA_DISPATCH_FLOAT(op, x.dtype(), [&] {
-        switch (wt) {
-          TALLOW_FOR_EACH_BLOCK_DTYPE(TALLOW_DEQ_GEMM_CASE)
-          default: throw TypeError(str_cat(op, ": ", dtype_name(wt), " is not a GGUF block dtype"));
-        }
-      });
+        TALLOW_CUDA_DISPATCH_FLOAT(op, x.dtype(), [&] {
+          switch (wt) {
+            TALLOW_FOR_EACH_BLOCK_DTYPE(TALLOW_DEQ_GEMM_CASE)
+            default: throw TypeError(str_cat(op, ": ", dtype_name(wt), " is not a GGUF block dtype"));
+          }
+        });
 #undef TALLOW_DEQ_GEMM_CASE
-      TALLOW_CUDA_CHECK_LAUNCH(op);
-    } else {
-      dequantize_rows(wt, wbase, N, K, w_row_bytes, x.dtype(), wd.data_ptr(), ctx.stream);
+        TALLOW_CUDA_CHECK_LAUNCH(op);
+      } else {
+        dequantize_rows(wt, src, nc, K, w_row_bytes, x.dtype(), dst, ctx.stream);
+      }
+    };
+    const int64_t row_bytes = std::max<int64_t>(K, 1) * dtype_type_size(x.dtype());
+    const int64_t chunk_rows =
+        std::max<int64_t>(1, kPrefillChunkBytes / row_bytes / kPrefillChunkRowAlign) * kPrefillChunkRowAlign;
+    if (N <= chunk_rows || K == 0) {  // W fits one chunk: dequantize it whole, then linear
+      Tensor wd = Tensor::empty({N, K}, x.dtype(), x.device());
+      dequant_chunk(0, N, wd.data_ptr());
+      return linear(x, wd, bias, o);
     }
-    return linear(x, wd, bias, o);
+    // Chunks: out[:, n0:n0 + nc] = x @ W[n0:n0 + nc]^T (+ bias[n0:n0 + nc]), written in place (row stride N).
+    // Every chunk's product sums over the whole of K, as the one product over W would.
+    Tensor wd = Tensor::empty({chunk_rows, K}, x.dtype(), x.device());
+    const Tensor x2 = x.dim() == 2 ? x : (x.dim() == 1 ? x.view({1, K}) : x.reshape({M, K}));
+    Tensor o2 = o.view({M, N});
+    const Tensor bc = has_bias ? contiguous(*bias) : Tensor();
+    for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+      const int64_t nc = std::min(chunk_rows, N - n0);
+      const Tensor wc = nc == chunk_rows ? wd : wd.narrow(0, 0, nc);
+      dequant_chunk(n0, nc, wd.data_ptr());
+      const Tensor bslice = has_bias ? bc.narrow(0, n0, nc) : Tensor();
+      Tensor oc = o2.narrow(1, n0, nc);
+      linear_2d_into(x2, wc, has_bias ? &bslice : nullptr, oc);
+    }
+    return o;
   }
 
   // Activations -> q8 blocks.

@@ -182,7 +182,8 @@ def test_the_demo_model_answers(tmp_path):
         c = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0, timeout=120)
         assert c.models.list().data[0].id == "SmolLM2-135M-Instruct"
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=20,
-                                      messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                      messages=[{"role": "user",
+                                                 "content": "What is the capital of France? Answer in one word."}])
         assert "Paris" in r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"
     finally:

@@ -6,7 +6,7 @@ from backend_ops import Keep, OpCase, register
 import tallow
 
 # name -> (block size, bytes per block, byte offsets of f16 scale fields, byte offsets of f32 scale fields);
-# the dequantize and dequant_linear tests share it
+# the dequantize and quant_linear tests share it
 BLOCKS = {
     "q4_0": (32, 18, (0,), ()),
     "q4_1": (32, 20, (0, 2), ()),
@@ -28,7 +28,7 @@ BLOCKS = {
 
 def random_blocks(rng, name, rows, nblocks):
     """(rows, nblocks * type_size) uint8: random bytes with valid scale fields (the dequantize and
-    dequant_linear tests use it too)."""
+    quant_linear tests use it too)."""
     _, ts, f16_at, f32_at = BLOCKS[name]
     raw = rng.integers(0, 256, size=(rows, nblocks, ts), dtype=np.uint8)
     n = rows * nblocks
