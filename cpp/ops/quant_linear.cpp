@@ -35,26 +35,32 @@ constexpr const char* kOp = "quant_linear";
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Grow-only, 64-byte aligned f32 buffer per thread for one dequantized tile (gemm::scratch's slots
-// belong to the GEMM, which runs on this thread while the tile is live).
-float* tile_buffer(int64_t n) {
+// A grow-only, 64-byte aligned buffer per thread and Tag: no allocation per call. Tags: the f32 tile of
+// dequantized W (gemm::scratch's slots belong to the GEMM, which runs on this thread while the tile is live),
+// and the decode path's quantized rows of x (the pool's workers only read it while the call runs).
+template <class Tag>
+uint8_t* thread_buffer(int64_t nbytes) {
   struct Buf {
-    float* p = nullptr;
+    uint8_t* p = nullptr;
     int64_t cap = 0;
     ~Buf() { gemm::aligned_free(p); }
   };
   static thread_local Buf b;
-  if (n > b.cap) {
+  if (nbytes > b.cap) {
     gemm::aligned_free(b.p);
     b.p = nullptr;
     b.cap = 0;
-    const int64_t cap = std::max<int64_t>(1024, ceil_div(n, 1024) * 1024);
-    b.p = static_cast<float*>(gemm::aligned_malloc((size_t)cap * sizeof(float)));
+    const int64_t cap = std::max<int64_t>(4096, ceil_div(nbytes, 4096) * 4096);
+    b.p = static_cast<uint8_t*>(gemm::aligned_malloc((size_t)cap));
     if (!b.p) throw std::bad_alloc();
     b.cap = cap;
   }
   return b.p;
 }
+struct TileTag {};
+struct ActTag {};
+float* tile_buffer(int64_t n) { return reinterpret_cast<float*>(thread_buffer<TileTag>(n * (int64_t)sizeof(float))); }
+uint8_t* act_buffer(int64_t n) { return thread_buffer<ActTag>(n); }
 
 // Row stride of x viewed as [rows, K] (dims [0, dim-2] merged), or false when they cannot be merged.
 bool merged_row_stride(const Tensor& x, int64_t* stride) {
@@ -190,13 +196,13 @@ Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
     // Decode: x's rows quantized once (at most 4 x K x ~1.2 bytes), then integer dots straight on W's
     // blocks. Chunks of >= 16 W rows (~64K multiply-adds or more): waking a thread costs more below that.
     const int64_t arb = qdot::act_row_bytes(wdt, K);
-    std::vector<uint8_t> act((size_t)(M * arb));
-    qdot::quantize_rows(wdt, xp, rsa, M, K, act.data());
+    uint8_t* act = act_buffer(M * arb);
+    qdot::quantize_rows(wdt, xp, rsa, M, K, act);
     const int64_t wrs = N > 1 ? w.stride(0) / bs * ts : 0;
     const uint8_t* w0 = wbase + row_offset(w, 0) / bs * ts;
     const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(1, K * M));
     parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      qdot::dot_rows(wdt, w0, wrs, n0, n1, act.data(), M, K, op32, N, bp, bstride);
+      qdot::dot_rows(wdt, w0, wrs, n0, n1, act, M, K, op32, N, bp, bstride);
     });
   } else {
     const int threads = get_num_threads();
@@ -218,6 +224,114 @@ Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
     });
   }
 
+  if (f32) return o;
+  o.copy_(cast(o32, x.dtype()));
+  return o;
+}
+
+Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& parts, const std::optional<Tensor>& bias,
+                          const std::optional<Tensor>& out) {
+  const char* op = "quant_linear_parts";
+  check_defined(op, x, "x");
+  check_float(op, x, "x");
+  TALLOW_CHECK(!parts.empty(), op, ": parts must hold at least one weight [N_i, K] (x ", shape_str(x.shape()), ")");
+  TALLOW_CHECK(x.dim() >= 1, op, ": x must be at least 1-D [..., K], got shape ", shape_str(x.shape()));
+  const int64_t K = x.size(-1);
+  int64_t N = 0;
+  bool all_dot = true;  // every part has a quantized dot kernel (else: one quant_linear per part)
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Tensor& w = parts[i];
+    check_defined(op, w, "parts[i]");
+    TALLOW_CHECK(w.dim() == 2 && w.size(1) == K, op, ": parts[", i, "] must be [N_i, K = x.shape[-1] = ", K,
+                 "], got ", dtype_name(w.dtype()), shape_str(w.shape()), " (x ", shape_str(x.shape()), ")");
+    check_same_device(op, x, w);
+    N += w.size(0);
+    all_dot = all_dot && qdot::supported(w.dtype()) && (K <= 1 || w.stride(1) == 1);
+  }
+  const bool has_bias = bias && bias->defined();
+  if (has_bias) {
+    check_same_dtype(op, x, "x", *bias, "bias");
+    check_same_device(op, x, *bias);
+    TALLOW_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [", N,
+                 "] (the parts' rows together), got ", shape_str(bias->shape()));
+  }
+  TALLOW_CHECK(x.device().is_cpu(), op, ": CPU only, x is on ", x.device().str(),
+               " (use one weight of all rows, or one quant_linear per part, there)");
+  Shape oshape(x.shape().begin(), x.shape().end() - 1);
+  oshape.push_back(N);
+  Tensor o = make_out(op, out, oshape, x.dtype(), x.device());
+  if (o.numel() == 0) return o;
+  const int64_t M = o.numel() / N;
+
+  if (!(M <= kDecodeMaxM && K > 0 && all_dot)) {
+    // One product per part, each into its columns (through a scratch tensor when they are strided).
+    int64_t start = 0;
+    for (const Tensor& w : parts) {
+      const int64_t n = w.size(0);
+      std::optional<Tensor> b;
+      if (has_bias) b = bias->narrow(0, start, n);
+      Tensor dst = o.narrow(o.dim() - 1, start, n);
+      if (dst.is_contiguous()) {
+        quant_linear(x, w, b, dst);
+      } else {
+        dst.copy_(quant_linear(x, w, b));
+      }
+      start += n;
+    }
+    return o;
+  }
+
+  // Decode: as quant_linear's decode path, over all parts at once.
+  const bool f32 = x.dtype() == DType::F32;
+  Tensor xx = f32 ? x : cast(x, DType::F32);
+  int64_t rsa = K;
+  if (!merged_row_stride(xx, &rsa) || (K > 1 && xx.stride(-1) != 1)) {
+    xx = xx.contiguous();
+    rsa = K;
+  }
+  Tensor bb;
+  if (has_bias) bb = bias->dtype() == DType::F32 ? *bias : cast(*bias, DType::F32);
+  Tensor o32 = f32 ? o : Tensor::empty(oshape, DType::F32, o.device());
+  const float* xp = xx.data<float>();
+  float* op32 = o32.data<float>();
+  const float* bp = has_bias ? bb.data<float>() : nullptr;
+  const int64_t bstride = has_bias ? bb.stride(0) : 1;
+
+  // x quantized once per activation format (per 32: Q4_0 ... IQ4_NL; per 256: the K-quants, IQ4_XS).
+  struct Part {
+    DType dt;
+    const uint8_t* w0;
+    int64_t wrs, start, n;
+    const uint8_t* act;
+  };
+  std::vector<Part> ps;
+  ps.reserve(parts.size());
+  DType fmt_dt[2] = {DType::F32, DType::F32};  // a weight dtype for each format used (32, 256)
+  for (const Tensor& w : parts) fmt_dt[qdot::act_block(w.dtype()) == 256] = w.dtype();
+  int64_t fmt_off[2] = {0, 0}, total = 0;
+  for (int f = 0; f < 2; ++f)
+    if (fmt_dt[f] != DType::F32) fmt_off[f] = total, total += ceil_div(M * qdot::act_row_bytes(fmt_dt[f], K), 64) * 64;
+  uint8_t* act = act_buffer(total);
+  for (int f = 0; f < 2; ++f)
+    if (fmt_dt[f] != DType::F32) qdot::quantize_rows(fmt_dt[f], xp, rsa, M, K, act + fmt_off[f]);
+  int64_t start = 0;
+  for (const Tensor& w : parts) {
+    const DType dt = w.dtype();
+    const int64_t bs = dtype_block_size(dt), ts = dtype_type_size(dt), n = w.size(0);
+    const uint8_t* wbase = static_cast<const uint8_t*>(w.storage()->data());
+    ps.push_back({dt, wbase + row_offset(w, 0) / bs * ts, n > 1 ? w.stride(0) / bs * ts : 0, start, n,
+                  act + fmt_off[qdot::act_block(dt) == 256]});
+    start += n;
+  }
+  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(1, K * M));
+  parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    for (const Part& p : ps) {
+      const int64_t lo = std::max(r0, p.start), hi = std::min(r1, p.start + p.n);
+      if (lo >= hi) continue;
+      qdot::dot_rows(p.dt, p.w0, p.wrs, lo - p.start, hi - p.start, p.act, M, K, op32 + p.start, N,
+                     bp ? bp + p.start * bstride : nullptr, bstride);
+    }
+  });
   if (f32) return o;
   o.copy_(cast(o32, x.dtype()));
   return o;

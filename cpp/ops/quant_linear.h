@@ -28,6 +28,7 @@
 // rounded once to x's dtype, like linear.
 #pragma once
 #include <optional>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -35,5 +36,16 @@ namespace tallow::ops {
 
 Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,
                     const std::optional<Tensor>& out = std::nullopt);
+
+// x [..., K] @ [parts[0]; parts[1]; ...]^T (+ bias [sum N_i]) -> out [..., sum N_i]: the parts of a fused
+// layer (qkv, gate_up) kept as separate tensors [N_i, K] (each a zero-copy view of a GGUF file), possibly of
+// different block types (Q4_K_M's q/k Q4_K beside v Q6_K). Bit-identical to concatenating quant_linear(x,
+// parts[i], bias_i) along the last dim. CPU decode (M <= 4, every part with a quantized dot kernel): x is
+// quantized once per activation format the parts need, and one parallel region covers all parts' rows (the
+// thread pool wakes once per layer, not once per part); otherwise one quant_linear per part into its columns.
+// CPU only: on another device a ValueError (callers use a fused weight or one quant_linear per part there).
+Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& parts,
+                          const std::optional<Tensor>& bias = std::nullopt,
+                          const std::optional<Tensor>& out = std::nullopt);
 
 }  // namespace tallow::ops

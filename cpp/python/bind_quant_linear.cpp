@@ -17,6 +17,10 @@ void bind_quant_linear(py::module_& m) {
         py::arg("out") = py::none(),
         "x [..., K] @ dequantize(w [N, K])^T (+ bias [N]) -> [..., N] in x's dtype, w kept in its GGUF block "
         "format (a float w: plain linear); CPU: 8-bit quantized x and integer dots for <= 16 rows of x");
+  m.def("quant_linear_parts", &ops::quant_linear_parts, py::arg("x"), py::arg("parts"),
+        py::arg("bias") = py::none(), py::arg("out") = py::none(),
+        "x [..., K] @ [parts[0]; parts[1]; ...]^T (+ bias) -> [..., sum N_i]: quant_linear over the parts of a "
+        "fused layer kept apart (block types may differ), one parallel region for all (CPU only)");
   m.def("_cpu_isa", [] { return std::string(ops::gemm::isa_name()); },
         "The CPU kernel set in use by the GEMM and the dequantization row routines (avx512, avx2, portable)");
   m.def("_quant_dot_kernel", [] { return std::string(ops::qdot::kernel_name()); },

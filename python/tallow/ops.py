@@ -25,6 +25,7 @@ from tallow._core import (  # noqa: F401
     mul,
     paged_attention,
     quant_linear,
+    quant_linear_parts,
     quantize,
     reshape_and_cache,
     rms_norm,

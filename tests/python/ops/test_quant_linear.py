@@ -310,3 +310,93 @@ def test_mixed_devices_raise(rng):
     x = ft(rng, (2, 64))
     with pytest.raises(ValueError, match=r"^quant_linear: tensors on different devices"):
         ops.quant_linear(x, w.to("cuda"))
+
+
+# -- quant_linear_parts: the parts of a fused layer (qkv, gate_up) kept apart, one op --------------------
+def concat_parts(x, parts, bias):
+    """The per-part quant_linear results side by side: what quant_linear_parts must equal bit for bit."""
+    outs, start = [], 0
+    for p in parts:
+        n = p.shape[0]
+        b = None if bias is None else bias.narrow(0, start, n)
+        outs.append(ops.quant_linear(x, p, b).to("float32").numpy())
+        start += n
+    return np.concatenate(outs, axis=-1)
+
+
+@pytest.mark.parametrize("names", [("q4_k", "q4_k", "q6_k"), ("q4_1", "q4_1", "q4_1"), ("q8_0", "q4_k"),
+                                   ("q4_0", "q8_1", "iq4_xs"), ("q5_k",)])
+@pytest.mark.parametrize("M", [1, 3, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_quant_linear_parts_matches_per_part(names, M, with_bias, rng, isa):
+    K = 512  # a multiple of 256: every block type
+    sizes = [int(rng.integers(1, 90)) for _ in names]
+    made = [make_weight(rng, name, n, K) for name, n in zip(names, sizes)]
+    parts = [block_tensor(raw, name) for (raw, _), name in zip(made, names)]
+    x = ft(rng, (M, K))
+    bias = ft(rng, (sum(sizes),)) if with_bias else None
+    want = concat_parts(x, parts, bias)
+    np.testing.assert_array_equal(ops.quant_linear_parts(x, parts, bias).numpy(), want)
+    o = tallow.tensor(np.full((M, sum(sizes)), 7.0, np.float32))
+    r = ops.quant_linear_parts(x, parts, bias, out=o)
+    np.testing.assert_array_equal(o.numpy(), want)
+    np.testing.assert_array_equal(r.numpy(), want)
+    # against the reference product too (not only against quant_linear): the decode bound when M <= 4
+    # and each part's columns against the float64 product within quant_linear's bound
+    start = 0
+    for (_, wref), name, n in zip(made, names, sizes):
+        b = None if bias is None else bias.numpy()[start:start + n]
+        check(want[:, start:start + n], x.numpy().astype(np.float64), wref, b, act=act_block(name, M))
+        start += n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_quant_linear_parts_half_and_batched(dtype, rng):
+    K = 256
+    parts = [q_weight(rng, "q4_k", 40, K), q_weight(rng, "q6_k", 24, K)]
+    for shape in [(1, K), (2, 1, K), (3, 2, K)]:  # M = 1, 2 (decode) and 6 (per part) rows
+        x = ft(rng, shape, dtype)
+        got = ops.quant_linear_parts(x, parts)
+        assert tuple(got.shape) == shape[:-1] + (64,) and got.dtype == x.dtype
+        np.testing.assert_array_equal(got.to("float32").numpy(), concat_parts(x, parts, None))
+
+
+def test_quant_linear_parts_independent_of_threads(rng):
+    K = 576
+    parts = [q_weight(rng, "q4_1", 200, K), q_weight(rng, "q4_1", 37, K), q_weight(rng, "q8_0", 64, K)]
+    x = ft(rng, (2, K))
+    n = _core.get_num_threads()
+    try:
+        ref = ops.quant_linear_parts(x, parts).numpy()
+        for t in (1, 3):
+            _core.set_num_threads(t)
+            np.testing.assert_array_equal(ops.quant_linear_parts(x, parts).numpy(), ref)
+    finally:
+        _core.set_num_threads(n)
+
+
+def test_quant_linear_parts_errors(rng):
+    a, b = q_weight(rng, "q4_0", 8, 64), q_weight(rng, "q4_k", 4, 256)
+    x = ft(rng, (3, 64))
+    cases = [
+        (lambda: ops.quant_linear_parts(x, []), ValueError,
+         r"^quant_linear_parts: parts must hold at least one weight"),
+        (lambda: ops.quant_linear_parts(x, [a, b]), ValueError,
+         r"^quant_linear_parts: parts\[1\] must be \[N_i, K = x.shape\[-1\] = 64\], got q4_k\[4, 256\]"),
+        (lambda: ops.quant_linear_parts(x, [a, a], ft(rng, (8,))), ValueError,
+         r"^quant_linear_parts: bias must have shape \[16\]"),
+        (lambda: ops.quant_linear_parts(x, [a, a], out=ft(rng, (3, 8))), ValueError,
+         r"^quant_linear_parts: out has shape \[3, 8\], expected \[3, 16\]"),
+        (lambda: ops.quant_linear_parts(tallow.from_numpy(np.ones((3, 64), np.int32)), [a]), TypeError,
+         r"^quant_linear_parts: x must be float32"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+@pytest.mark.skipif(not tc.is_available(), reason="needs a CUDA device (tallow built with CUDA)")
+def test_quant_linear_parts_cpu_only(rng):
+    a = q_weight(rng, "q4_0", 8, 64).to("cuda")
+    with pytest.raises(ValueError, match=r"^quant_linear_parts: CPU only, x is on cuda"):
+        ops.quant_linear_parts(ft(rng, (2, 64)).to("cuda"), [a, a])

@@ -9,10 +9,12 @@ its rows (rows are whole blocks: the copy to the device is made anyway) and runs
 the CPU every weight is the GGUF file's own tensor, a zero-copy view of its memory map (llama-arch q/k,
 whose rows are permuted back on load, are the loader's copies), so a fused layer keeps its parts apart
 there. When the parts differ (Q4_K_M stores attn_v as Q6_K beside Q4_K q/k) each part keeps its own
-tensor on every device. A layer of several tensors runs one quant_linear per part, each writing its
-columns of the output: straight into `out` where that slice is contiguous (one row of x: decode of one
-sequence), else into a scratch tensor copied into the slice (quant_linear wants a contiguous out; the
-copy is M x N floats beside an M x N x K product).
+tensor on every device. A layer of several tensors runs one `ops.quant_linear_parts` on the CPU (x
+quantized once, one parallel region over all the parts' rows: the pool wakes once per layer, not once
+per part); on other devices one quant_linear per part, each writing its columns of the output: straight
+into `out` where that slice is contiguous (one row of x: decode of one sequence), else into a scratch
+tensor copied into the slice (quant_linear wants a contiguous out; the copy is M x N floats beside an
+M x N x K product).
 
 The lm head (its own block-typed output.weight, or tied to a block-typed token table) and MoE experts
 (GatedMLPs of these linear layers) take the same path. Float tensors of the same file (norms, F32/F16
@@ -119,6 +121,9 @@ class GGUFLinearMethod(QuantizeMethodBase):
         if layer.weight_parts is None:
             return ops.quant_linear(x, layer.weight, layer.bias, out=out)
         parts = layer.weight_parts
+        if x.device == "cpu":
+            # One op for all parts: x quantized once, one parallel region over every part's rows.
+            return ops.quant_linear_parts(x, parts, layer.bias, out=out)
         n_total = sum(p.shape[0] for p in parts)
         if out is None:
             out = tallow.empty(list(x.shape[:-1]) + [n_total], x.dtype, x.device)
