@@ -288,7 +288,8 @@ def test_gguf_iq4_types_load(tmp_path, rng, type_name):
     t = GGUFWeights(path).weights()["model.layers.0.mlp.down_proj.weight"]
     assert t.dtype == getattr(tallow.DType, type_name.lower()) and tuple(t.shape) == (16, 512)
     np.testing.assert_array_equal(GGUFFile(path).raw("blk.0.ffn_down.weight"), raw)
-    ref = gguf.quants.dequantize(raw, qtype)
+    with np.errstate(invalid="ignore"):  # random bytes: some f16 scales are NaN/Inf, in both dequantizers
+        ref = gguf.quants.dequantize(raw, qtype)
     np.testing.assert_array_equal(tallow.ops.dequantize(t, "float32").numpy(), ref)
 
 
