@@ -1,5 +1,6 @@
 // The x86 kernel body of quant_dot.h, included by quant_dot.cpp once per kernel set inside a target region
-// and its own namespace: TALLOW_QDOT_VNNI 0 = AVX2 (maddubs + madd), 1 = AVX2 + 256-bit VNNI (vpdpbusd).
+// and its own namespace: TALLOW_QDOT_VNNI 0 = AVX2 (maddubs + madd), 1 = AVX2 + 256-bit VNNI (vpdpbusd),
+// and for Q4_0 / Q4_1 a 512-bit two-blocks-per-step loop (dot_pairs32).
 // Each weight type's group(b, g) unpacks 32 quants of a W block to bytes in one register: u = w + kOffset
 // (unsigned, <= 63) or, for the int8-wide types, w itself, multiplied by x with the sign trick (|w| times
 // x with w's sign, exact for |w| <= 128); see quant_dot_blocks.h.
@@ -118,13 +119,80 @@ inline __m256i qd_dot32_scaled(__m256i q, const int8_t* x, __m256i s16) {  // 16
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), s16);
 }
 
+#if TALLOW_QDOT_VNNI
+// Two blocks' 32 quants of the 4-bit nibble types without the shuffle port: each block's qs[16] broadcast
+// from memory into its half, the high copy shifted right by 4. Only these types take the two-block path:
+// measured, Q8_0 and Q5_0 / Q5_1 (their quants joined from two 256-bit groups) were slower on it.
+template <class B> struct Pair {
+  static constexpr bool kUse = false;
+};
+template <int kQsAt, int kBytes> struct NibblePair {
+  static constexpr bool kUse = true;
+  static __m512i group2(const uint8_t* w) {
+    const __m512i b0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kQsAt)));
+    const __m512i b = _mm512_mask_broadcast_i32x4(
+        b0, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kBytes + kQsAt)));
+    return _mm512_and_si512(_mm512_srlv_epi64(b, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(15));
+  }
+};
+template <> struct Pair<Q4_0B> : NibblePair<2, 18> {};
+template <> struct Pair<Q4_1B> : NibblePair<4, 20> {};
+// Q4_0 / Q4_1, two blocks per step in 512-bit registers (block ib in the low half, ib + 1 in the high).
+// The per-block scalar work is vectorized: both blocks' f16 d (and m) converted at once, the scales d * a.d
+// and min terms m * a.s (or -kOffset * d * a.s) formed in one 4-lane product, the min terms summed in lanes
+// 1 and 3 of a vector across blocks; one horizontal reduction per row. An odd last block: the caller's loop.
+template <class B, int MR>
+inline int64_t dot_pairs32(const uint8_t* w, const uint8_t* const* act, int64_t nb, __m512* acc, __m128* accm) {
+  // Lanes 0..7 take scale lane 0 (block ib's d * a.d), lanes 8..15 scale lane 2 (block ib + 1's).
+  const __m512i spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  int64_t ib = 0;
+  for (; ib + 2 <= nb; ib += 2, w += 2 * B::kBytes) {
+    const __m512i q = Pair<B>::group2(w);
+    // [d0, m0, d1, m1] (f16 d at byte 0, m at byte 2; Q4_0: lanes 1 / 3 are quant bytes, replaced by d).
+    __m128 wdm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)ld_u32(w)), (int)ld_u32(w + B::kBytes), 1));
+    if constexpr (!B::kMin) wdm = _mm_moveldup_ps(wdm);  // [d0, d0, d1, d1]
+    for (int m = 0; m < MR; ++m) {
+      const Act32* a = reinterpret_cast<const Act32*>(act[m]) + ib;
+      // [a0.d, a0.s, a1.d, a1.s]
+      const __m128 ads = _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd(reinterpret_cast<const double*>(a)),
+                                                    reinterpret_cast<const double*>(a + 1)));
+      const __m128 prod = _mm_mul_ps(wdm, ads);
+      if constexpr (B::kMin) accm[m] = _mm_mask_add_ps(accm[m], 0xA, accm[m], prod);
+      if constexpr (B::kOffset > 0)
+        accm[m] = _mm_mask3_fmadd_ps(prod, _mm_set1_ps(-(float)B::kOffset), accm[m], 0xA);
+      const __m512i xs = _mm512_inserti64x4(_mm512_castsi256_si512(qd_load(a->q)), qd_load(a[1].q), 1);
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xs);
+      const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(prod));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[m]);
+    }
+  }
+  return ib;
+}
+#endif
+
 // out[m] = dot(W row at w, activation row act[m]) for m < MR; nb blocks of W.
 template <class B, int MR>
 void dot_row(const uint8_t* w, const uint8_t* const* act, int64_t nb, float* out) {
   __m256 acc[MR];
   float accm[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = 0.f;
-  for (int64_t ib = 0; ib < nb; ++ib, w += B::kBytes) {
+  int64_t ib = 0;
+#if TALLOW_QDOT_VNNI
+  if constexpr (Pair<B>::kUse) {
+    __m512 acc2[MR];
+    __m128 accm2[MR];
+    for (int m = 0; m < MR; ++m) acc2[m] = _mm512_setzero_ps(), accm2[m] = _mm_setzero_ps();
+    ib = dot_pairs32<B, MR>(w, act, nb, acc2, accm2);
+    w += ib * B::kBytes;
+    for (int m = 0; m < MR; ++m) {
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc2[m]), 1));
+      acc[m] = _mm256_add_ps(_mm512_castps512_ps256(acc2[m]), hi);
+      const __m128 mm = _mm_add_ps(accm2[m], _mm_movehl_ps(accm2[m], accm2[m]));  // lane 1: both min sums
+      accm[m] = _mm_cvtss_f32(_mm_movehdup_ps(mm));
+    }
+  }
+#endif
+  for (; ib < nb; ++ib, w += B::kBytes) {
     if constexpr (B::kBlock == 32) {
       const __m256i q = Vec<B>::group(w, 0);
       const float d = qd_f16(w + B::kDAt);
