@@ -7,33 +7,9 @@
 
 namespace tallow::cuda::deq {
 
-// Block geometry at compile time (core/dtype.cpp's table holds the same numbers at run time).
-constexpr int block_elems(DType t) {
-  switch (t) {
-    case DType::Q2_K: case DType::Q3_K: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: case DType::Q8_K:
-    case DType::IQ4_XS: return 256;
-    default: return 32;
-  }
-}
-constexpr int block_bytes(DType t) {
-  switch (t) {
-    case DType::Q4_0: return 18;
-    case DType::Q4_1: return 20;
-    case DType::Q5_0: return 22;
-    case DType::Q5_1: return 24;
-    case DType::Q8_0: return 34;
-    case DType::Q8_1: return 36;
-    case DType::Q2_K: return 84;
-    case DType::Q3_K: return 110;
-    case DType::Q4_K: return 144;
-    case DType::Q5_K: return 176;
-    case DType::Q6_K: return 210;
-    case DType::Q8_K: return 292;
-    case DType::IQ4_NL: return 18;
-    case DType::IQ4_XS: return 136;
-    default: return 0;
-  }
-}
+// Block geometry at compile time (core/dtype.h).
+using ::tallow::block_bytes;
+using ::tallow::block_elems;
 
 __device__ __forceinline__ float f16_at(const uint8_t* p) {
   return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));

@@ -32,4 +32,34 @@ int64_t dtype_nbytes(DType t, int64_t n);
 DType dtype_from_name(const std::string& name);   // "float32", "f32", "bf16", "q4_k", ... (ValueError if unknown)
 DType dtype_from_ggml_type(int ggml_type);       // TypeError if tallow has no such type
 
+// Elements and bytes of one block of a GGUF block type (ggml's block_* structs; the same numbers as
+// dtype_info's table), as constants for kernels: template arguments, CUDA device code. 0 bytes for a
+// scalar type.
+constexpr int block_elems(DType t) {
+  switch (t) {
+    case DType::Q2_K: case DType::Q3_K: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: case DType::Q8_K:
+    case DType::IQ4_XS: return 256;
+    default: return 32;
+  }
+}
+constexpr int block_bytes(DType t) {
+  switch (t) {
+    case DType::Q4_0: return 18;
+    case DType::Q4_1: return 20;
+    case DType::Q5_0: return 22;
+    case DType::Q5_1: return 24;
+    case DType::Q8_0: return 34;
+    case DType::Q8_1: return 36;
+    case DType::Q2_K: return 84;
+    case DType::Q3_K: return 110;
+    case DType::Q4_K: return 144;
+    case DType::Q5_K: return 176;
+    case DType::Q6_K: return 210;
+    case DType::Q8_K: return 292;
+    case DType::IQ4_NL: return 18;
+    case DType::IQ4_XS: return 136;
+    default: return 0;
+  }
+}
+
 }  // namespace tallow

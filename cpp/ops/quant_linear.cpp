@@ -83,6 +83,38 @@ bool merged_row_stride(const Tensor& x, int64_t* stride) {
   return true;
 }
 
+// x, bias and out as f32 for the kernels: f16/bf16 x and bias widened once (exactly), x made row-mergeable;
+// finish() rounds the f32 result once into out.
+struct F32Operands {
+  bool f32;
+  Tensor xx, bb, o32;
+  int64_t rsa;  // row stride of xx viewed as [rows, K]
+  const float* xp;
+  float* op;
+  const float* bp = nullptr;
+  int64_t bstride = 1;
+
+  F32Operands(const Tensor& x, const Tensor* bias, const Tensor& o, int64_t K)
+      : f32(x.dtype() == DType::F32), xx(f32 ? x : cast(x, DType::F32)), rsa(K) {
+    if (!merged_row_stride(xx, &rsa) || (K > 1 && xx.stride(-1) != 1)) {
+      xx = xx.contiguous();
+      rsa = K;
+    }
+    if (bias) {
+      bb = bias->dtype() == DType::F32 ? *bias : cast(*bias, DType::F32);
+      bp = bb.data<float>();
+      bstride = bb.stride(0);
+    }
+    o32 = f32 ? o : Tensor::empty(o.shape(), DType::F32, o.device());
+    xp = xx.data<float>();
+    op = o32.data<float>();
+  }
+  Tensor finish(Tensor& o) const {
+    if (!f32) o.copy_(cast(o32, o.dtype()));
+    return o;
+  }
+};
+
 // At most this many rows of x: the GEMM's dot-product path (decode); above it, its packed path.
 constexpr int64_t kFusedMaxM = 16;
 // At most this many rows of x: the quantized-dot decode path (quant_dot.h) for the types it covers. Measured
@@ -149,26 +181,18 @@ Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
   if (o.numel() == 0) return o;
   const int64_t M = o.numel() / N;
 
-  // f32 operands for the GEMM: f16/bf16 x and bias are widened once (exactly), the f32 result rounded once.
-  const bool f32 = x.dtype() == DType::F32;
-  Tensor xx = f32 ? x : cast(x, DType::F32);
-  int64_t rsa = K;
-  if (!merged_row_stride(xx, &rsa) || (K > 1 && xx.stride(-1) != 1)) {
-    xx = xx.contiguous();
-    rsa = K;
-  }
-  Tensor bb;
-  if (has_bias) bb = bias->dtype() == DType::F32 ? *bias : cast(*bias, DType::F32);
-  Tensor o32 = f32 ? o : Tensor::empty(oshape, DType::F32, o.device());
+  // f32 operands for the kernels: f16/bf16 x and bias are widened once (exactly), the f32 result rounded once.
+  F32Operands f(x, has_bias ? &*bias : nullptr, o, K);
+  const int64_t rsa = f.rsa;
+  const float* xp = f.xp;
+  float* op32 = f.op;
+  const float* bp = f.bp;
+  const int64_t bstride = f.bstride;
 
   const DType wdt = w.dtype();
   const int64_t bs = dtype_block_size(wdt), ts = dtype_type_size(wdt);
   const uint8_t* wbase = static_cast<const uint8_t*>(w.storage()->data());
   const bool w_rows_packed = N <= 1 || w.stride(0) == K;  // a tile of rows is one run of whole blocks
-  const float* xp = xx.data<float>();
-  float* op32 = o32.data<float>();
-  const float* bp = has_bias ? bb.data<float>() : nullptr;
-  const int64_t bstride = has_bias ? bb.stride(0) : 1;
 
   // Rows [n0, n0 + nr) of W -> f32 at dst (row stride K).
   auto dequant_rows = [&](int64_t n0, int64_t nr, float* dst) {
@@ -224,9 +248,7 @@ Tensor quant_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor
     });
   }
 
-  if (f32) return o;
-  o.copy_(cast(o32, x.dtype()));
-  return o;
+  return f.finish(o);
 }
 
 Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& parts, const std::optional<Tensor>& bias,
@@ -282,20 +304,12 @@ Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& parts, con
   }
 
   // Decode: as quant_linear's decode path, over all parts at once.
-  const bool f32 = x.dtype() == DType::F32;
-  Tensor xx = f32 ? x : cast(x, DType::F32);
-  int64_t rsa = K;
-  if (!merged_row_stride(xx, &rsa) || (K > 1 && xx.stride(-1) != 1)) {
-    xx = xx.contiguous();
-    rsa = K;
-  }
-  Tensor bb;
-  if (has_bias) bb = bias->dtype() == DType::F32 ? *bias : cast(*bias, DType::F32);
-  Tensor o32 = f32 ? o : Tensor::empty(oshape, DType::F32, o.device());
-  const float* xp = xx.data<float>();
-  float* op32 = o32.data<float>();
-  const float* bp = has_bias ? bb.data<float>() : nullptr;
-  const int64_t bstride = has_bias ? bb.stride(0) : 1;
+  F32Operands f(x, has_bias ? &*bias : nullptr, o, K);
+  const int64_t rsa = f.rsa;
+  const float* xp = f.xp;
+  float* op32 = f.op;
+  const float* bp = f.bp;
+  const int64_t bstride = f.bstride;
 
   // x quantized once per activation format (per 32: Q4_0 ... IQ4_NL; per 256: the K-quants, IQ4_XS).
   struct Part {
@@ -332,9 +346,7 @@ Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& parts, con
                      bp ? bp + p.start * bstride : nullptr, bstride);
     }
   });
-  if (f32) return o;
-  o.copy_(cast(o32, x.dtype()));
-  return o;
+  return f.finish(o);
 }
 
 }  // namespace tallow::ops

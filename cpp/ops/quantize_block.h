@@ -834,31 +834,9 @@ constexpr bool has_quantizer(DType t) {
          t == DType::Q6_K || t == DType::Q8_K || t == DType::IQ4_NL || t == DType::IQ4_XS;
 }
 
-// Elements and bytes of one block of the dtypes above (ggml's block_* structs; == core/dtype.cpp's table,
-// here as constants for the kernels).
-constexpr int block_elems(DType t) {
-  return (t == DType::Q2_K || t == DType::Q3_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K ||
-          t == DType::Q8_K || t == DType::IQ4_XS) ? 256 : 32;
-}
-constexpr int block_bytes(DType t) {
-  switch (t) {
-    case DType::Q4_0: return 18;
-    case DType::Q4_1: return 20;
-    case DType::Q5_0: return 22;
-    case DType::Q5_1: return 24;
-    case DType::Q8_0: return 34;
-    case DType::Q8_1: return 36;
-    case DType::Q2_K: return 84;
-    case DType::Q3_K: return 110;
-    case DType::Q4_K: return 144;
-    case DType::Q5_K: return 176;
-    case DType::Q6_K: return 210;
-    case DType::Q8_K: return 292;
-    case DType::IQ4_NL: return 18;
-    case DType::IQ4_XS: return 136;
-    default: return 0;
-  }
-}
+// Elements and bytes of one block (core/dtype.h).
+using ::tallow::block_bytes;
+using ::tallow::block_elems;
 
 // One block of T from its block_elems(T) floats.
 template <DType T>

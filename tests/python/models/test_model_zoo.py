@@ -31,8 +31,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the r
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF checkpoints")
 
 from engine_models import write_word_tokenizer  # noqa: E402
-import tallow  # noqa: E402
-from tallow import LLM, SamplingParams  # noqa: E402
+import quant_models  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 VOCAB, N_NEW = 320, 32
@@ -181,10 +180,7 @@ def _randomise(model, seed: int):
 
 
 def hf_greedy(model, prompt, n_new=N_NEW):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return quant_models.hf_greedy(model, prompt, n_new)
 
 
 def hf_first_logits(model, prompt):
@@ -225,24 +221,7 @@ def ref(request, tmp_path_factory):
 # -- running tallow ----------------------------------------------------------------------------------
 def run_tallow(model_path: str, prompts, n_new: int = N_NEW, **engine_args):
     """(greedy tokens, first-step logits) per prompt, all prompts in one batch."""
-    llm = LLM(model_path, **{**ENGINE_ARGS, **engine_args})
-    first: dict[str, np.ndarray] = {}
-    runner = llm.engine.runner
-    forward_step = runner.forward_step
-
-    def spy_step(step):
-        logits, states, plp = forward_step(step)
-        if states:
-            rows = np.asarray(logits.to(tallow.float32).to("cpu").numpy())
-            for st, row in zip(states, rows):
-                if st.num_output_tokens == 0:
-                    first.setdefault(st.request_id, np.array(row, dtype=np.float64))
-        return logits, states, plp
-
-    runner.forward_step = spy_step
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs], [first[o.request_id] for o in outs], llm
+    return quant_models.run(model_path, prompts, n_new, **{**ENGINE_ARGS, **engine_args})
 
 
 def check(tokens, logits, ref_tokens, ref_logits, what):
