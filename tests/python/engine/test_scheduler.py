@@ -155,7 +155,7 @@ def test_prefix_cache_computes_shared_system_prompt_once():
 def test_decode_batch_longest_context_first():
     """The engine orders a decode-only step's batch by context length, longest first (the attention
     grid then runs the longest CTAs first); a step with a prefill chunk keeps the scheduler's order."""
-    from tallow.engine import engine as E
+    from tallow.engine import core as E
 
     s = make(num_blocks=64, max_num_batched_tokens=256)
     lengths = {"a": 5, "b": 17, "c": 9, "d": 13}
@@ -178,7 +178,7 @@ def test_decode_batch_longest_context_first():
 def test_overlap_depth_setting(monkeypatch, caplog):
     """TALLOW_OVERLAP_DEPTH (tallow/envs.py): launched steps left unread (default 2, at least 1); a
     value that is not a whole number falls back to 2 with a warning naming the variable."""
-    from tallow.engine import engine as E
+    from tallow.engine import core as E
 
     for raw, want in (("", 2), ("1", 1), ("3", 3), ("0", 1), ("-4", 1)):
         monkeypatch.setenv("TALLOW_OVERLAP_DEPTH", raw)
