@@ -291,31 +291,78 @@ class EngineCore:
             self.executor.release(sched.take_finished_ids())
 
     # -- embeddings (the server's /v1/embeddings) ------------------------------------------------
+    @property
+    def embed_chunk_tokens(self) -> int:
+        """Tokens of embedding input computed between two steps: the prefill chunk (or the step's
+        token budget), so an embeddings request delays the running streams no more than a prompt does."""
+        c = self.scheduler.config
+        return c.prefill_chunk_size or c.max_num_batched_tokens
+
+    def embed_chunk(self, job: "EmbedJob", max_tokens: int) -> bool:
+        """Compute up to max_tokens more of the job's current input; True when the whole job is
+        done (job.results then holds a vector per input). An input takes its KV blocks when its first
+        chunk runs and returns them after its last; KVCacheFullError when the pool lacks room."""
+        ids = job.encoded[job.index]
+        n, pool = len(ids), self.kv.pool
+        if job.blocks is None:
+            num_blocks = -(-n // self.kv.block_size)
+            if num_blocks > pool.num_free_blocks:
+                raise KVCacheFullError(f"the KV cache has no room for a {n}-token input right now "
+                                       f"({pool.num_free_blocks} of {pool.num_blocks} blocks free); retry later")
+            job.blocks = pool.get_new_blocks(num_blocks)
+        start = job.done_tokens
+        stop = min(n, start + max(1, max_tokens))
+        part = self.executor.embed(EmbedData(ids[start:stop], [b.block_id for b in job.blocks], job.pooling, start))
+        job.acc = part if job.acc is None or job.pooling == "last" else job.acc + part
+        job.done_tokens = stop
+        if stop == n:
+            vec = job.acc if job.pooling == "last" else job.acc / n
+            if job.normalize:
+                norm = float(np.linalg.norm(vec))
+                if norm > 0:
+                    vec = vec / norm
+            job.results.append(np.ascontiguousarray(vec, dtype=np.float32))
+            self.release_embed(job)
+            job.index, job.done_tokens, job.acc = job.index + 1, 0, None
+        return job.index == len(job.encoded)
+
+    def release_embed(self, job: "EmbedJob") -> None:
+        """Return the blocks of the job's current input (after it finished, failed or was aborted)."""
+        if job.blocks is not None:
+            self.kv.pool.free_blocks(reversed(job.blocks))
+            job.blocks = None
+
     def embed_ids(self, encoded: list[list[int]], pooling: str = "last", normalize: bool = True
                   ) -> list[np.ndarray]:
         """Pooled final hidden states (after the model's final norm) of each validated id list,
-        without sampling: "last" is the last token's, "mean" the average over all prompt tokens;
-        L2-normalised when normalize. Each runs as one forward pass (through the executor) over
-        freshly taken KV blocks that go back to the pool at once (they do not join the prefix
-        cache). Call it between steps."""
-        if pooling not in ("last", "mean"):
-            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
-        return [self._embed_one(ids, pooling, normalize) for ids in encoded]
-
-    def _embed_one(self, ids: list[int], pooling: str, normalize: bool) -> np.ndarray:
-        n, pool = len(ids), self.kv.pool
-        num_blocks = -(-n // self.kv.block_size)
-        if num_blocks > pool.num_free_blocks:
-            raise KVCacheFullError(f"the KV cache has no room for a {n}-token input right now "
-                                   f"({pool.num_free_blocks} of {pool.num_blocks} blocks free); retry later")
-        blocks = pool.get_new_blocks(num_blocks)
+        without sampling: "last" is the last token's, "mean" the average over all its tokens;
+        L2-normalised when normalize. Runs the whole job now, chunk by chunk (the engine-core
+        process interleaves the chunks with steps instead)."""
+        job = EmbedJob(None, encoded, pooling, normalize)
         try:
-            return self.executor.embed(EmbedData(ids, [b.block_id for b in blocks], pooling, normalize))
+            while not self.embed_chunk(job, self.embed_chunk_tokens):
+                pass
         finally:
-            pool.free_blocks(reversed(blocks))
+            self.release_embed(job)
+        return job.results
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+class EmbedJob:
+    """An embeddings request inside the core: its inputs (validated ids) computed in chunks."""
+
+    def __init__(self, key, encoded: list[list[int]], pooling: str, normalize: bool):
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        self.key = key  # who asked (the engine-core process's reply address)
+        self.encoded, self.pooling, self.normalize = encoded, pooling, normalize
+        self.results: list[np.ndarray] = []
+        self.index = 0  # the input being computed
+        self.done_tokens = 0  # of that input
+        self.blocks = None
+        self.acc = None
 
 
 class _PendingStep:

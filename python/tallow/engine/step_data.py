@@ -59,9 +59,11 @@ class StepOutput:
 
 @dataclasses.dataclass
 class EmbedData:
-    """One pooled-embedding forward pass over freshly taken KV blocks."""
+    """One chunk of a pooled-embedding input: tokens at positions start.. of the input, computed into
+    the input's freshly taken KV blocks (earlier chunks' keys are already there). The worker returns
+    the chunk's part of the pooling; the core adds the chunks up (core.py, EmbedJob)."""
 
     token_ids: list[int]
     block_ids: list[int]
-    pooling: str  # "last" | "mean"
-    normalize: bool
+    pooling: str  # "last": the chunk's last row; "mean": the sum of its rows (float64)
+    start: int = 0

@@ -316,27 +316,23 @@ class ModelRunner:
 
     # -- embeddings -------------------------------------------------------------------------------
     def embed(self, data: EmbedData) -> np.ndarray:
-        """Pooled final hidden states (after the model's final norm) of one input, computed into the
-        given blocks (the caller frees them): float32 [hidden_size], L2-normalised when asked."""
-        bs, n = self.block_size, len(data.token_ids)
+        """One chunk of an embedding input (EmbedData), computed into the given blocks (the caller
+        frees them): the final hidden state (after the model's final norm) of the chunk's last token,
+        or for mean pooling the float64 sum of its tokens' states, [hidden_size]."""
+        bs, n, start = self.block_size, len(data.token_ids), data.start
         table = np.asarray(data.block_ids, dtype=np.int64)
-        pos = np.arange(n, dtype=np.int64)
+        pos = np.arange(start, start + n, dtype=np.int64)
         with self.on_stream():
             meta = AttentionMetadata(
                 slot_mapping=self.tensor(table[pos // bs] * bs + pos % bs),
                 block_tables=self.tensor(table.astype(np.int32)[None, :]),
-                seq_lens=self.tensor(np.asarray([n], dtype=np.int32)),
+                seq_lens=self.tensor(np.asarray([start + n], dtype=np.int32)),
                 query_start_loc=self.tensor(np.asarray([0, n], dtype=np.int32)),
                 num_tokens=n)
             hidden = self.model.forward(self.tensor(np.asarray(data.token_ids, dtype=np.int32)), self.tensor(pos),
                                         self.kv_caches, meta)
             h = np.asarray(hidden.to(tallow.float32).to("cpu").numpy(), dtype=np.float32)
-        vec = h[-1] if data.pooling == "last" else h.mean(axis=0)
-        if data.normalize:
-            norm = float(np.linalg.norm(vec))
-            if norm > 0:
-                vec = vec / norm
-        return np.ascontiguousarray(vec, dtype=np.float32)
+        return h[-1].copy() if data.pooling == "last" else h.sum(axis=0, dtype=np.float64)
 
     # -- CUDA graphs ------------------------------------------------------------------------------
     def graph_blockers(self) -> list[str]:
