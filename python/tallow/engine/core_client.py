@@ -267,6 +267,7 @@ class EngineCoreClient:
             while True:
                 frame = await pull.recv(copy=False)
                 self._handle(dec.decode(frame.buffer))
+                await asyncio.sleep(0)  # let the streams write this step before taking the next
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug here would hang every stream: fail them instead

@@ -226,6 +226,7 @@ class EngineCoreProc:
 
         job = self.embed_jobs[0]
         client, job_id = job.key
+        self.stats_dirty = True
         try:
             done = self.core.embed_chunk(job, self.core.embed_chunk_tokens)
         except KVCacheFullError as e:
