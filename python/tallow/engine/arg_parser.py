@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--frequency-penalty", type=float, help="default frequency penalty")
     g.add_argument("--presence-penalty", type=float, help="default presence penalty")
     g.add_argument("--seed", type=int, help="default sampling seed")
+    g.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto (default): temperature, top_p, top_k, min_p and repetition_penalty from the model's "
+                        "generation_config.json are the defaults a request overrides; vllm: ignore the file")
 
 
 class FlagError(ValueError):
@@ -92,5 +95,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         prefix_cache_max_tokens=ns.prefix_cache_max_tokens, kv_cache_dtype="float8_e4m3" if ns.fp8_kvcache else "auto",
         chat_template=ns.chat_template, yarn_scaling_factor=ns.yarn_scaling_factor, num_threads=ns.num_threads,
         seed=ns.seed, max_gen_tokens=ns.max_gen_tokens, frequency_penalty=ns.frequency_penalty,
-        presence_penalty=ns.presence_penalty, enforce_eager=ns.enforce_eager,
+        presence_penalty=ns.presence_penalty, generation_config=ns.generation_config, enforce_eager=ns.enforce_eager,
         cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format, quantization=ns.isq)

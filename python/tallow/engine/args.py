@@ -36,6 +36,7 @@ class EngineArgs:
     max_gen_tokens: Optional[int] = None  # default max_tokens when a request sets none
     frequency_penalty: Optional[float] = None  # server-wide sampling defaults
     presence_penalty: Optional[float] = None
+    generation_config: str = "auto"  # auto: sampling defaults from the model's generation_config.json; vllm: none
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -49,6 +50,8 @@ class EngineArgs:
             bad(f"mem must be a positive number of MB, got {self.mem}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             bad(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.generation_config not in ("auto", "vllm"):
+            bad(f"generation_config must be auto or vllm, got {self.generation_config!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             bad(f"max_model_len must be positive, got {self.max_model_len}")
         if self.prefill_chunk_size < 0:

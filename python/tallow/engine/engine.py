@@ -52,6 +52,7 @@ class LLMEngine(EngineCore):
         byte_table(tok)  # a byte-level vocabulary's detokenizer table (~0.2 s at 150k tokens): now, not in a request
         ip = self.input_processor
         ip.tokenizer, ip.vocab_size, ip.max_model_len = tok, cfg.vocab_size, self.max_model_len
+        ip.use_generation_config(self.source.generation_config_path)
         self.output_processor = OutputProcessor(tok)
         self._ids = itertools.count()
 

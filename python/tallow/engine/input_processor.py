@@ -4,6 +4,7 @@ before anything is queued, so a bad request raises ValueError and changes nothin
 InputProcessor; with an engine core in its own process this part stays in the API process)."""
 from __future__ import annotations
 
+import logging
 from typing import Optional, Union
 
 import numpy as np
@@ -12,6 +13,7 @@ from tallow.engine.args import EngineArgs
 from tallow.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, dict, list[int]]
+log = logging.getLogger("tallow.engine")
 
 
 class InputProcessor:
@@ -21,6 +23,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._seed_rng = np.random.default_rng(args.seed)
+        self.model_defaults: dict = {}  # sampling defaults from the model's generation_config.json
         try:  # server-wide sampling defaults must be valid request values
             SamplingParams(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                            max_tokens=args.max_gen_tokens)
@@ -48,16 +51,31 @@ class InputProcessor:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: pass a string, a list of token ids "
                          "or {'prompt_token_ids': [...]}")
 
+    def use_generation_config(self, path: Optional[str]) -> dict:
+        """Take the sampling defaults of the model's generation_config.json at path (None: the model has
+        none), unless --generation-config vllm; logs what was taken, once. Returns them."""
+        from tallow.loader.generation_config import sampling_defaults
+
+        self.model_defaults = sampling_defaults(path) if self.args.generation_config == "auto" else {}
+        if self.model_defaults:
+            log.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm "
+                     "ignores them)", path, ", ".join(f"{k}={v}" for k, v in self.model_defaults.items()))
+        return self.model_defaults
+
     def apply_defaults(self, params: SamplingParams) -> SamplingParams:
-        """Server-wide defaults (EngineArgs) fill what the request left unset; a value the request
-        sets, even 0, wins. A default seed seeds a generator of per-request seeds: a run is
-        reproducible, yet two unseeded requests do not sample the same stream."""
+        """Defaults fill what the request left unset, in this order: server-wide ones (EngineArgs), then
+        the model's generation_config.json; a value the request sets, even 0, wins. A default seed
+        seeds a generator of per-request seeds: a run is reproducible, yet two unseeded requests do
+        not sample the same stream."""
         a = self.args
         changes = {}
         unset = params.unset_fields
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(a, name) is not None and name in unset:
                 changes[name] = getattr(a, name)
+        for name, value in self.model_defaults.items():
+            if name in unset and name not in changes:
+                changes[name] = value
         if params.seed is None and a.seed is not None:
             changes["seed"] = int(self._seed_rng.integers(2**62))
         return params.clone(**changes) if changes else params

@@ -6,8 +6,10 @@ import math
 import numbers
 from typing import Optional
 
-# Fields a server-wide default (EngineArgs) may fill when a request leaves them unset (None).
-DEFAULTABLE = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
+# Fields a default may fill when a request leaves them unset (None): a server-wide one (EngineArgs), or
+# the model's generation_config.json (loader/generation_config.py); else these values.
+DEFAULTABLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+               "frequency_penalty": 0.0, "presence_penalty": 0.0}
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's rule)
 # logit_bias values are applied in steps of 2^-16 (the samplers add whole steps: sampler.py), at most
 # 100 in size (OpenAI's range).
@@ -18,11 +20,11 @@ LOGIT_BIAS_MAX = 100.0
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: Optional[float] = None  # None (these five and the penalties): the default, DEFAULTABLE's value
+    top_p: Optional[float] = None  # unless the engine has another (EngineArgs, generation_config.json)
+    top_k: Optional[int] = None  # -1 (or 0): off
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None  # None: the engine's default, else 0
     presence_penalty: Optional[float] = None
     seed: Optional[int] = None

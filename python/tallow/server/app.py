@@ -15,11 +15,13 @@ import time
 from typing import Any, Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tallow.server import protocol as P
 from tallow.server import serving
 from tallow.server.errors import APIError, bad_request, internal_error
 from tallow.server.keys import STATE, T0
+from tallow.server.limits import check_chars, check_tokens, encode, max_piece_chars
 from tallow.server.metrics import CONTENT_TYPE, ServerMetrics
 from tallow.server.reasoning import uses_reasoning
 from tallow.server.tool_parsers import PARSERS, detect_parser
@@ -39,9 +41,15 @@ class ServerConfig:
     tool_parser: Optional[str] = None  # --enforce-parser; None: picked from the chat template / family
     reasoning: str = "auto"  # auto (when the chat template uses <think>), think, none
     ui: bool = False
-    max_pending: int = 4096  # requests in flight before new ones get 503
+    max_pending: int = 4096  # sequences (prompts x n) in flight before new requests get 503
     max_body_bytes: int = DEFAULT_MAX_BODY
     embedding_pooling: str = "last"
+    max_seqs_per_request: int = 256  # prompts x n of one request (400 above)
+    max_embedding_inputs: int = 2048  # inputs per /v1/embeddings request, as OpenAI
+    # tokens per /v1/embeddings request; None: 4 x max_model_len capped at 65,536 (ServerState). One request
+    # runs as one pass that nothing else shares, so this bounds how long it can hold the engine and the
+    # activation memory of that pass; a few full-context documents per call is what clients batch.
+    max_embedding_tokens: Optional[int] = None
 
     def __post_init__(self):
         if not self.model_names:
@@ -52,6 +60,10 @@ class ServerConfig:
             raise ValueError(f"reasoning must be auto, think or none, got {self.reasoning!r}")
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding pooling must be last or mean, got {self.embedding_pooling!r}")
+        for name in ("max_pending", "max_seqs_per_request", "max_embedding_inputs", "max_embedding_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
 
 
 class ServerState:
@@ -82,6 +94,9 @@ class ServerState:
             f"tallow {__version__} {config.model_root} {dtype}".encode()).hexdigest()[:10]
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine, config.model_names[0])
+        self.max_piece_chars = max_piece_chars(self.tokenizer)  # bounds a text's tokens by its length
+        self.max_embedding_tokens = config.max_embedding_tokens or min(4 * self.max_model_len, 65_536)
+        self.seqs_in_flight = 0  # sequences admitted (limits.Seats) and not yet released
 
     def _any_special(self, markers) -> bool:
         tok = self.tokenizer
@@ -98,6 +113,9 @@ class ServerState:
                     template_kwargs: dict) -> str:
         from tallow.tokenizer.chat_template import ChatTemplateError, NoChatTemplateError, parse_tool_call_arguments
 
+        # the rendered prompt holds every message's text: refuse by length before rendering and tokenizing it
+        n_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        check_chars(self, n_chars, "messages", generate=False)
         kw = dict(template_kwargs)
         if continue_final:
             kw["continue_final_message"] = True
@@ -163,9 +181,17 @@ async def auth_middleware(request: web.Request, handler):
                                code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
         elif scheme.lower() != "bearer":
             token = ""
-        if not hmac.compare_digest(token.strip().encode("utf-8"), key.encode("utf-8")):
+        if not hmac.compare_digest(_header_bytes(token.strip()), key.encode("utf-8")):
             raise APIError("invalid API key", 401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return await handler(request)
+
+
+def _header_bytes(value: str) -> bytes:
+    """A header value as the bytes sent: aiohttp keeps bytes that are not UTF-8 as lone surrogates."""
+    try:
+        return value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no decoding produces: cannot match any key
+        return b"\0"
 
 
 # -- small endpoints ---------------------------------------------------------------------------
@@ -197,20 +223,24 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await P.read_json(request)
     P.check_model(body, st.config.model_names)
     tok = st.tokenizer
+    return_strs = P.get_field(body, "return_token_strs", "bool", False)
+    # a prompt longer than the context is refused (by its length before tokenizing): the answer stays small
     if body.get("messages") is not None:
         messages = P.chat_messages(body)
         tools, _ = P.chat_tools(body)
         add_gen = P.get_field(body, "add_generation_prompt", "bool", True)
         kwargs = P.template_kwargs(body)
+        add_special = P.get_field(body, "add_special_tokens", "bool", False)
         text = st.render_chat(messages, tools, add_gen, False, kwargs)
-        ids = tok.encode(text, add_special_tokens=P.get_field(body, "add_special_tokens", "bool", False))
+        ids = await encode(st, text, "messages", generate=False, add_special_tokens=add_special)
     else:
         prompt = P.get_field(body, "prompt", "str")
         if prompt is None:
             raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
-        ids = tok.encode(prompt, add_special_tokens=P.get_field(body, "add_special_tokens", "bool", True))
+        add_special = P.get_field(body, "add_special_tokens", "bool", True)
+        ids = await encode(st, prompt, "prompt", generate=False, add_special_tokens=add_special)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
-    if P.get_field(body, "return_token_strs", "bool", False):
+    if return_strs:
         out["token_strs"] = [tok.id_to_piece(i) for i in ids]
     return _json(out)
 
@@ -222,6 +252,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad_request("'tokens' must be an array of token ids", "tokens")
+    check_tokens(st, len(ids), "tokens", generate=False)  # no model wrote more; decoding millions stalls the loop
     bad = next((t for t in ids if not 0 <= t < st.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is out of range: this model's vocabulary has ids 0..{st.vocab_size - 1}",
@@ -283,12 +314,35 @@ def build_app(engine, config: ServerConfig) -> web.Application:
     return app
 
 
-async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+class _MalformedRequestLog(logging.Filter):
+    """aiohttp answers a request it cannot parse (a bad Content-Length, chunk or header) with a 400 itself
+    and logs a traceback at ERROR; the client's mistake is worth one line at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 400) < 500:
+            record.msg, record.args = f"{record.getMessage()}: {exc.message}", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return log.isEnabledFor(logging.INFO)
+        return True
+
+
+_http_log = logging.getLogger("tallow.server.http")
+_http_log.addFilter(_MalformedRequestLog())
+# what every runner of the app passes: handlers cancelled (and requests aborted) when their client leaves;
+# bodies left as sent, since read_json inflates them within the body limit and answers a bad encoding as 4xx
+RUNNER_KWARGS = dict(handler_cancellation=True, access_log=None, auto_decompress=False, logger=_http_log)
+
+
+async def start_server(app: web.Application, host: str, port: int, reuse_port: bool = False
+                       ) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner (``await runner.cleanup()`` stops it) and the bound port
-    (useful with port 0)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    (useful with port 0). reuse_port: several API server processes share the port (the kernel
+    spreads connections over them)."""
+    runner = web.AppRunner(app, **RUNNER_KWARGS)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     sockets = [s for s in (site._server.sockets if site._server else [])]  # noqa: SLF001
     bound = sockets[0].getsockname()[1] if sockets else port

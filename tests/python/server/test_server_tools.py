@@ -4,6 +4,7 @@ none/auto/required/named; several calls per message; streamed tool-call deltas (
 argument fragments) and finish_reason "tool_calls"; <think> split into reasoning_content; a model
 step that fails; a full queue."""
 import json
+import re
 import threading
 
 import pytest
@@ -177,10 +178,10 @@ def test_named_function_is_forced_by_the_prompt(scripted, parser):
 
     s = scripted(tool_parser=parser)
     prefix = make_parser(parser).forced_prefix("get_weather")
-    rest = {"hermes": '{"city": "Oslo"}}\n</tool_call>', "mistral": '{"city": "Oslo"}}]',
-            "llama": '{"city": "Oslo"}</function>', "llama3_json": '{"city": "Oslo"}}',
+    rest = {"hermes": '"city": "Oslo"}}\n</tool_call>', "mistral": '"city": "Oslo"}}]',
+            "llama": '"city": "Oslo"}</function>', "llama3_json": '"city": "Oslo"}}',
             "qwen3_coder": "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
-            "json": '{"city": "Oslo"}}'}[parser]
+            "json": '"city": "Oslo"}}'}[parser]
     s.script(rest, rest)
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice=choice)
@@ -201,6 +202,107 @@ def test_tool_choice_required(scripted):
     r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice="required")
     assert s.encoded[-1].endswith('<tool_call>\n{"name": "')
     assert r.choices[0].message.tool_calls[0].function.name == "search"
+
+
+# -- forced calls: a small model goes on after the call (the demo model did), or writes no call ----
+RAMBLE = ["\n\nThe", " weather", " in", " Paris", " is", " {nice}", " </tool_call>", "."] * 4
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_tool_choice_returns_tool_calls_and_stops_generating(scripted):
+    s = scripted(tool_parser="json")
+    call = pieces('"city": "Paris"}}')
+    s.script(call + RAMBLE, call + RAMBLE)
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice=NAMED)
+    assert s.encoded[-1].endswith('{"name": "get_weather", "arguments": {')
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0].type == "function" and msg.tool_calls[0].id
+    assert (msg.tool_calls[0].function.name, json.loads(msg.tool_calls[0].function.arguments)) == \
+        ("get_weather", {"city": "Paris"})
+    assert r.usage.completion_tokens == len(call)  # the ramble after the call was never generated
+    s.srv.wait_idle()  # and the request is gone from the engine, its blocks free
+    content, calls, finishes, fragments = stream_tool_calls(s.client.chat.completions.create(
+        model="scripted", messages=MSGS, tools=TOOLS, tool_choice=NAMED, stream=True))
+    assert content == "" and finishes == ["tool_calls"] and fragments >= 2
+    assert [(v[1], json.loads(v[2])) for v in calls.values()] == [("get_weather", {"city": "Paris"})]
+    s.srv.wait_idle()
+    metrics = requests.get(s.srv.base_url + "/metrics").text
+    assert re.search(r'tallow:request_success_total\{[^}]*finished_reason="tool_calls"[^}]*\} 2\.0', metrics)
+
+
+def test_forced_calls_of_several_choices_end_each_on_their_own(scripted):
+    s = scripted(tool_parser="hermes")
+    short, long = pieces('"city": "Oslo"}}\n</tool_call>') + RAMBLE, pieces('"city": "Rome", "days": 3}}') + RAMBLE
+    s.script((short, long), (short, long))
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice=NAMED, n=2)
+    assert [json.loads(c.message.tool_calls[0].function.arguments) for c in r.choices] == \
+        [{"city": "Oslo"}, {"city": "Rome", "days": 3}]
+    assert [c.finish_reason for c in r.choices] == ["tool_calls", "tool_calls"]
+    chunks = list(s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice=NAMED,
+                                                   n=2, stream=True))
+    for i, city in enumerate(["Oslo", "Rome"]):
+        content, calls, finishes, _ = stream_tool_calls(chunks, choice=i)
+        assert content == "" and finishes == ["tool_calls"] and json.loads(calls[0][2])["city"] == city
+    s.srv.wait_idle()
+
+
+def test_required_returns_tool_calls_to_the_openai_client(scripted):
+    s = scripted(tool_parser="hermes")
+    two = ('search", "arguments": {"query": "x"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    s.script(pieces(two) + RAMBLE, pieces(two) + RAMBLE)
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice="required")
+    assert s.encoded[-1].endswith('<tool_call>\n{"name": "')  # two tools: the model picks
+    fn = r.choices[0].message.tool_calls[0].function
+    assert (fn.name, json.loads(fn.arguments)) == ("search", {"query": "x"})
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["search", "get_weather"]
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    content, calls, finishes, _ = stream_tool_calls(s.client.chat.completions.create(
+        model="scripted", messages=MSGS, tools=TOOLS, tool_choice="required", stream=True))
+    assert content == "" and finishes == ["tool_calls"]
+    assert [(v[1], json.loads(v[2])) for v in calls.values()] == [("search", {"query": "x"}),
+                                                                  ("get_weather", {"city": "Oslo"})]
+    s.srv.wait_idle()
+
+
+def test_required_with_one_tool_or_parallel_calls_off(scripted):
+    s = scripted(tool_parser="hermes")
+    s.script('"city": "Rome"}}\n</tool_call>')
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS[:1], tool_choice="required")
+    assert s.encoded[-1].endswith('{"name": "get_weather", "arguments": {')  # one tool: that one
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    two = ('search", "arguments": {"query": "x"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    s.script(two)
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["search"]
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("max_tokens,finish", [(None, "stop"), (4, "length")])
+def test_forced_reply_that_is_no_call_is_content(scripted, max_tokens, finish):
+    """The model writes no call (here an unknown function, or a call cut off by max_tokens): the
+    text is the content, with the finish reason as generated; no 500."""
+    s = scripted(tool_parser="json")
+    text = 'Paris", "city": "Paris"}' if max_tokens is None else '"city": "Paris", "days": 3}}'
+    s.script(text, text)
+    prefix = '{"name": "' if max_tokens is None else '{"name": "get_weather", "arguments": {'
+    generated = text if max_tokens is None else "".join(pieces(text)[:max_tokens])
+    choice = "required" if max_tokens is None else NAMED
+    r = s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice=choice,
+                                         max_tokens=max_tokens)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == prefix + generated and r.choices[0].finish_reason == finish
+    chunks = list(s.client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice=choice,
+                                                   max_tokens=max_tokens, stream=True))
+    content, calls, finishes, _ = stream_tool_calls(chunks)
+    assert finishes == [finish]
+    if max_tokens is None:  # nothing looked like a call: all of it comes as content
+        assert content == prefix + generated and calls == {}
+    else:  # the call's start was streamed as it came; it cannot be taken back
+        assert content == "" and [v[1] for v in calls.values()] == ["get_weather"]
 
 
 def test_tool_choice_errors(scripted):

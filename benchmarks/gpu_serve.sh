@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 26's GPU measurement in one call (logs and JSON under $OUT): build, then benchmarks/serve.py on
+# the Qwen3-0.6B shape (random weights, a config.json-only folder: the placeholder tokenizer covers the
+# whole vocabulary), prompts of 100-1024 tokens, 256 output tokens each, at 64 and 256 concurrent
+# streams, each beside the offline engine on the same workload; then 256 streams with two API server
+# processes. Usage: bash benchmarks/gpu_serve.sh [build]   (build: also run gpu_session.sh's build)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tallow-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+rc=0
+if [ "${1:-}" = build ]; then bash benchmarks/gpu_session.sh build || exit 1; fi
+export PYTHONPATH=/tmp/site
+python3 - <<'PY'
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+from make_quant_gguf import SHAPES
+os.makedirs("/tmp/qwen3-0.6b-shape", exist_ok=True)
+json.dump(SHAPES["qwen3-0.6b"], open("/tmp/qwen3-0.6b-shape/config.json", "w"))
+PY
+W="--w /tmp/qwen3-0.6b-shape --load-format dummy --d 0 --max-model-len 2048 --input-len-min 100 --input-len-max 1024"
+W="$W --output-len 256 --max-token-id 150000 --client-procs 4"
+bench() {  # name, timeout, flags...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/serve.py $W "$@" --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1 \
+    || { echo "$name: exit $?"; rc=1; }
+  grep -E "Output token throughput|Server overhead|Median ITL|P99 ITL|P99 TTFT|Step time|Failed" "$OUT/$name.log"
+}
+echo "== 64 clients"; bench serve_64 240 --clients 64 --num-prompts 256
+echo "== 256 clients"; bench serve_256 300 --clients 256 --num-prompts 1024
+if [ "${SERVE_API2:-1}" = 1 ]; then
+  echo "== 256 clients, 2 API servers"; bench serve_256_api2 300 --clients 256 --num-prompts 1024 --skip-offline \
+    --server-args "--api-server-count 2"
+fi
+exit $rc
