@@ -3,7 +3,8 @@
 # the Qwen3-0.6B shape (random weights, a config.json-only folder: the placeholder tokenizer covers the
 # whole vocabulary), prompts of 100-1024 tokens, 256 output tokens each, at 64 and 256 concurrent
 # streams, each beside the offline engine on the same workload; then 256 streams with two API server
-# processes. Usage: bash benchmarks/gpu_serve.sh [build]   (build: also run gpu_session.sh's build)
+# processes; and offline generation in-process against the engine-core process (offline_paths.py).
+# Usage: bash benchmarks/gpu_serve.sh [build]   (build: also run gpu_session.sh's build first)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tallow-gpu}
@@ -25,10 +26,16 @@ bench() {  # name, timeout, flags...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 benchmarks/serve.py $W "$@" --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1 \
     || { echo "$name: exit $?"; rc=1; }
-  grep -E "Output token throughput|Server overhead|Median ITL|P99 ITL|P99 TTFT|Step time|Failed" "$OUT/$name.log"
+  grep -E "Output token throughput|Server overhead|Median ITL|P99 ITL|P99 TTFT|Step time|step gap|Failed" "$OUT/$name.log"
 }
 echo "== 64 clients"; bench serve_64 240 --clients 64 --num-prompts 256
 echo "== 256 clients"; bench serve_256 300 --clients 256 --num-prompts 1024
+if [ "${SERVE_PATHS:-1}" = 1 ]; then
+  echo "== offline: in-process LLM vs the engine-core process"
+  timeout 240 python3 benchmarks/offline_paths.py --w /tmp/qwen3-0.6b-shape --load-format dummy --d 0 \
+    --num-prompts 512 --input-len-min 100 --input-len-max 1024 --output-len 256 --max-token-id 150000 \
+    --out "$OUT/offline_paths.json" 2>&1 | tail -3 || rc=1
+fi
 if [ "${SERVE_API2:-1}" = 1 ]; then
   echo "== 256 clients, 2 API servers"; bench serve_256_api2 300 --clients 256 --num-prompts 1024 --skip-offline \
     --server-args "--api-server-count 2"

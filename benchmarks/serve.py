@@ -27,19 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import serve_clients as SC  # noqa: E402
-
-
-def make_workload(args) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    return [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.input_len_min, args.input_len_max))]
-            for _ in range(args.num_prompts)]
 
 
 def run_offline(flags: list[str], prompts: list[list[int]], output_len: int) -> dict:
@@ -55,16 +48,29 @@ def run_offline(flags: list[str], prompts: list[list[int]], output_len: int) -> 
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     eng = llm.engine
     st0 = dict(eng.stats)
+    # The time between successive steps (each call launches one): the offline side of the ITL
+    # comparison, prefill-heavy steps included.
+    marks: list[float] = []
+    step = eng.step
+
+    def timed_step():
+        marks.append(time.perf_counter())
+        return step()
+
+    eng.step = timed_step
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": q} for q in prompts],
                         SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     wall = time.perf_counter() - t
+    eng.step = step
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = eng.stats["steps"] - st0["steps"]
     model_s = eng.stats["model_s"] - st0["model_s"]
     return {"duration_s": wall, "output_tokens": n_out, "input_tokens": sum(map(len, prompts)),
             "output_throughput": n_out / wall, "steps": steps, "step_ms": 1e3 * wall / max(steps, 1),
-            "model_ms_per_step": 1e3 * model_s / max(steps, 1), "mean_batch": n_out / max(steps, 1)}
+            "model_ms_per_step": 1e3 * model_s / max(steps, 1), "mean_batch": n_out / max(steps, 1),
+            "step_gap_ms": SC.percentiles(gaps, 1e3)}
 
 
 def offline_in_child(flags, prompts, output_len) -> dict:
@@ -121,6 +127,8 @@ def print_report(res: dict) -> None:
         row("Output tokens per step:", off["mean_batch"], "{:<10.1f}")
         row("Step time (ms, wall / steps):", off["step_ms"], "{:<10.2f}")
         row("Model time per step (ms):", off["model_ms_per_step"], "{:<10.2f}")
+        for stat, name in (("median", "Median"), ("p90", "P90"), ("p99", "P99")):
+            row(f"{name} step gap (ms):", off["step_gap_ms"][stat], "{:<10.2f}")
         row("Server overhead (1 - server/offline):", f"{100 * res['server_overhead']:.1f}%")
     head("Client processes (CPU s / wall s)")
     for c in res["client_procs"]:
@@ -136,17 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--client-procs", type=int, default=SC.default_client_procs(),
                    help="processes the clients are spread over (default min(4, cores / 2))")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len-min", type=int, default=16)
-    p.add_argument("--input-len-max", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-token-id", type=int, default=10000)
-    p.add_argument("--seed", type=int, default=0)
+    SC.add_workload_args(p, (16, 128), 64)
     p.add_argument("--skip-offline", action="store_true")
-    p.add_argument("--out", help="write everything as JSON here")
     args = p.parse_args(argv)
-    if args.input_len_min < 1 or args.input_len_min > args.input_len_max:
-        p.error("need 1 <= --input-len-min <= --input-len-max")
-    prompts = make_workload(args)
+    SC.check_workload_args(p, args)
+    prompts = SC.random_prompts(args, args.num_prompts)
     flags = SC.model_flags(args) + SC.engine_flags(args, max_num_seqs=args.clients)
 
     result = dict(SC.provenance(args.d), model=SC.model_flags(args)[-1], clients=args.clients,

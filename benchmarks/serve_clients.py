@@ -107,6 +107,28 @@ def add_model_args(p) -> None:
     p.add_argument("--server-args", default="", help="more flags for the server only, e.g. '--api-server-count 2'")
 
 
+def add_workload_args(p, input_len: tuple[int, int], output_len: int, output_help: str = "") -> None:
+    """Random token-id prompts: lengths uniform in [--input-len-min, --input-len-max], ids up to
+    --max-token-id, a fixed --seed; --output-len tokens each; --out for the JSON."""
+    p.add_argument("--input-len-min", type=int, default=input_len[0])
+    p.add_argument("--input-len-max", type=int, default=input_len[1])
+    p.add_argument("--output-len", type=int, default=output_len, help=output_help or None)
+    p.add_argument("--max-token-id", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write everything as JSON here")
+
+
+def check_workload_args(p, args) -> None:
+    if args.input_len_min < 1 or args.input_len_min > args.input_len_max:
+        p.error("need 1 <= --input-len-min <= --input-len-max")
+
+
+def random_prompts(args, n: int, rng: Optional[random.Random] = None) -> list[list[int]]:
+    rng = rng or random.Random(args.seed)
+    return [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.input_len_min, args.input_len_max))]
+            for _ in range(n)]
+
+
 def model_flags(args) -> list[str]:
     for flag in ("f", "w", "m"):
         if getattr(args, flag):

@@ -38,12 +38,12 @@ GAUGES = ("tallow:kv_cache_usage_perc", "tallow:num_requests_running", "tallow:n
 
 
 def make_prompts(args) -> list:
-    rng = random.Random(args.seed)
-    lens = [rng.randint(args.input_len_min, args.input_len_max) for _ in range(args.num_distinct_prompts)]
     if args.api == "chat":
+        rng = random.Random(args.seed)
+        lens = [rng.randint(args.input_len_min, args.input_len_max) for _ in range(args.num_distinct_prompts)]
         words = ("story", "river", "seven", "lamp", "quiet", "orange", "market", "north", "paper", "window")
         return [" ".join(rng.choice(words) for _ in range(n)) for n in lens]
-    return [[rng.randint(0, args.max_token_id) for _ in range(n)] for n in lens]
+    return SC.random_prompts(args, args.num_distinct_prompts)
 
 
 def gauges(server: SC.ServerProcess) -> dict:
@@ -187,17 +187,11 @@ def main(argv=None) -> int:
     p.add_argument("--soak-clients", type=int, default=64)
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--num-distinct-prompts", type=int, default=256)
-    p.add_argument("--input-len-min", type=int, default=8)
-    p.add_argument("--input-len-max", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32, help="max_tokens of the clients that stay")
+    SC.add_workload_args(p, (8, 64), 32, "max_tokens of the clients that stay")
     p.add_argument("--cut-max-tokens", type=int, help="max_tokens of the clients that leave (default: half the "
                    "context)")
-    p.add_argument("--max-token-id", type=int, default=10000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write everything as JSON here")
     args = p.parse_args(argv)
-    if args.input_len_min < 1 or args.input_len_min > args.input_len_max:
-        p.error("need 1 <= --input-len-min <= --input-len-max")
+    SC.check_workload_args(p, args)
     if args.cut_max_tokens is None:
         args.cut_max_tokens = args.max_model_len // 2
     # a chat prompt's words are 1-2 tokens each, plus the template's

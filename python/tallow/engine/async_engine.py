@@ -1,4 +1,4 @@
-"""AsyncEngine: the LLMEngine behind an asyncio interface, for the server.
+"""AsyncEngine: an LLMEngine behind an asyncio interface, its step loop in a thread.
 
     engine = AsyncEngine.from_engine_args(EngineArgs(model=...))   # or AsyncEngine(LLMEngine(...))
     stream = await engine.add_request(prompt, params, request_id)   # ValueError: nothing queued
@@ -11,29 +11,14 @@ The step loop runs in its own thread, never on the event loop: the loop only que
 (add, abort, call) and receives each step's outputs in one batch through ``call_soon_threadsafe``,
 so HTTP handling never waits for a model step. The LLMEngine is touched only by that thread.
 
-Thread, not process. Both keep the event loop free of model work; they differ in what crosses
-between the two sides and in who holds the GIL.
-- A thread shares the tokenizer, the KV pool and the engine's statistics: no serialisation of
-  requests or outputs, aborts free blocks at the next step boundary, and the server reads gauges
-  (queue lengths, KV usage) without IPC. Its cost is the GIL: the step's Python work and the CPU
-  kernels (whose bindings do not release the GIL) hold it, and every socket write of the event loop
-  releases it and must win it back. With Python's default 5 ms switch interval the loop falls
-  behind and streamed tokens arrive in bursts; so while an AsyncEngine runs, the interval is 0.1 ms
-  (GIL_SWITCH_INTERVAL).
-- A process removes the contention but pickles every request and delta across a pipe, duplicates
-  the tokenizer, and makes an abort or a pool query a round trip.
-Measured with benchmarks/serve.py (results/serve_cpu_smollm2_shape.json): 16 concurrent streaming
-clients against the same workload run offline with LLM.generate, a random-weight Llama shaped like
-SmolLM2-135M (f32), on 8 threads of a 16-core Xeon (the CPU of the H200 device machine; ~47 ms per
-step): the server reaches 96% of the offline output throughput (overhead 0.3 to 8.7% over four
-runs, mean 3.8%; run-to-run noise is about 4 points), inter-token latency p50/p99 36/44 ms; with
-Python's 5 ms switch interval it was 10 to 18% and p99 207 to 426 ms; 4 clients (25 ms steps): 2.4%.
-A pipe round trip of one step's deltas would cost 0.03 to 0.05 ms per step (0.1%), so a process
-would not be slower either; the thread is kept for its simplicity. Letting the CPU kernels release
-the GIL (py::call_guard<py::gil_scoped_release> on the op bindings; tried, not in the tree) gave
-3.1% and p99 38 ms. On a tiny model (1.5 ms steps, 5 ms interval) HTTP work dominates: 26%. Revisit with
-the GPU runner, whose steps are short and mostly Python; the interface here would not change. The
-executor of issue 4 (one worker process per GPU) sits below the engine and is unaffected.
+`tallow serve` does not use this class: it runs the engine core in its own process
+(core_client.EngineCoreClient, the same interface), because a step thread and the HTTP event loop
+in one interpreter fight over the GIL. On an H100 (Qwen3-0.6B shape, 256 streams of 256 tokens) this
+thread reached 62% of the offline output throughput (issue 26, at 0ee8c76) and the process 86% (102% with two API server
+processes); results: benchmarks/results/serve_h100/. This class stays for what runs in one process:
+tests drive the HTTP layer with it (and with scripted engines), and it needs no ZMQ. While it runs,
+Python's GIL switch interval is 0.1 ms (GIL_SWITCH_INTERVAL): with the default 5 ms the event loop
+fell behind the step thread and streamed tokens arrived in bursts.
 
 Failures: a ValueError from LLMEngine.add_request (bad prompt or parameters) is raised by
 ``add_request`` to its caller. An exception inside a step fails every request the engine held at
@@ -67,8 +52,39 @@ __all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineStepError"]
 GIL_SWITCH_INTERVAL = 1e-4
 
 
+class _Mailbox:
+    """asyncio.Queue's put_nowait / get / empty for one reader, cheaper per item (this is per token per
+    stream): a deque, and a future only while the reader waits."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+        self.waiter: Optional[asyncio.Future] = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():  # done: the reader was cancelled while it waited
+                w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    async def get(self):
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.items.popleft()
+
+
 class RequestStream:
     """Async iterator of one request's delta RequestOutputs; ends after the finished one.
+
+    A reader that is behind gets the deltas waiting for it merged into one (one SSE chunk and one
+    socket write instead of one per step: what lets a busy API process catch up).
 
     Leaving the iteration early (break, an exception, task cancellation) does not abort the request
     by itself: call ``abort()`` (or use ``async with``), which the server does in a ``finally``."""
@@ -76,32 +92,28 @@ class RequestStream:
     def __init__(self, engine: "AsyncEngine", request_id: str):
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue = _Mailbox()
         self.finished = False
         self.arrival_time = time.monotonic()
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
+        q = self._queue
+        if self.finished and not q.items:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = q.items.popleft() if q.items else await q.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if q.items and item.delta:
+            item = _merge_pending(item, q.items)
         if item.finished:
             self.finished = True
         return item
 
     def _put(self, item) -> None:
-        if isinstance(item, RequestOutput) and any(o.token_ids for o in item.outputs):
-            now = time.monotonic()
-            if self.first_token_time is None:
-                self.first_token_time = now
-            self.last_token_time = now
         self._queue.put_nowait(item)
 
     def abort(self) -> None:
@@ -115,6 +127,34 @@ class RequestStream:
 
     async def __aexit__(self, *exc) -> None:
         self.abort()
+
+
+def _merge_pending(first: RequestOutput, pending: collections.deque) -> RequestOutput:
+    """first with the delta RequestOutputs at the head of pending appended to it (taken off pending;
+    an exception stays there for the next read). New lists for the merged fields: never appended to
+    in place, as the engine may still hold them."""
+    outs = {o.index: o for o in first.outputs}
+    last = first
+    while pending and isinstance(pending[0], RequestOutput) and pending[0].delta and not last.finished:
+        last = pending.popleft()
+        for o in last.outputs:
+            m = outs.get(o.index)
+            if m is None:
+                outs[o.index] = o
+                continue
+            m.text += o.text
+            m.token_ids = m.token_ids + o.token_ids
+            if o.logprobs:
+                m.logprobs = (m.logprobs or []) + o.logprobs
+            m.cumulative_logprob = o.cumulative_logprob
+            if o.finish_reason is not None:
+                m.finish_reason, m.stop_reason = o.finish_reason, o.stop_reason
+        if last.prompt_logprobs is not None:
+            first.prompt_logprobs = last.prompt_logprobs
+    if last is not first:
+        first.outputs = sorted(outs.values(), key=lambda o: o.index) if len(outs) > 1 else list(outs.values())
+        first.finished, first.num_cached_tokens = last.finished, last.num_cached_tokens
+    return first
 
 
 class AsyncEngine:
