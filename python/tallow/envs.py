@@ -69,7 +69,8 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         _flag("TALLOW_GC_FREEZE", True),
         "bool, default on: on a GPU, move everything alive after engine start-up to the collector's "
         "permanent generation and collect the youngest generation every 50,000 allocations (full "
-        "collections stalled the nano-vllm workload 20-33 ms each)."),
+        "collections stalled the nano-vllm workload 20-33 ms each); the same in an API server process "
+        "once its engine client is up, on any device (the tokenizer's tables out of the scans)."),
     # -- CLI and server ----------------------------------------------------------------------------
     "TALLOW_DEBUG": (
         _flag("TALLOW_DEBUG", False),

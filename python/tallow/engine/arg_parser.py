@@ -46,8 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g = p.add_argument_group("scheduling")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's, or what fits the cache)")
-    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (default 8192)")
-    g.add_argument("--prefill-chunk-size", type=int, default=8192, help="chunked prefill size; 0 disables chunking")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   help="token budget of one step (default: the prefill chunk, at least 8192 on a GPU)")
+    g.add_argument("--prefill-chunk-size", type=int,
+                   help="chunked prefill size; 0 disables chunking (default 8192 on a GPU, smaller on the CPU so a "
+                        "long prompt does not stall the other streams)")
     g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on)")
     g.add_argument("--prefix-cache-max-tokens", type=int, help="most tokens kept cached in free blocks")

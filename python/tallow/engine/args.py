@@ -19,8 +19,9 @@ class EngineArgs:
     gpu_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_model_len: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
-    prefill_chunk_size: int = 8192
+    # None: the device's default, filled in by default_batching() below (explicit values win)
+    max_num_batched_tokens: Optional[int] = None  # token budget of one step
+    prefill_chunk_size: Optional[int] = None  # chunked prefill size; 0 computes a prompt in one step
     prefix_cache: bool = True
     prefix_cache_max_tokens: Optional[int] = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float8_e4m3 (alias fp8; CUDA only)
@@ -54,10 +55,12 @@ class EngineArgs:
             bad(f"generation_config must be auto or vllm, got {self.generation_config!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             bad(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.prefill_chunk_size < 0:
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 0:
             bad(f"prefill_chunk_size must be >= 0, got {self.prefill_chunk_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             bad(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        self.prefill_chunk_size, self.max_num_batched_tokens = default_batching(
+            self.device, self.prefill_chunk_size, self.max_num_batched_tokens, self.max_num_seqs)
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             bad(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype == "fp8":
@@ -74,3 +77,38 @@ class EngineArgs:
             bad(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not (self.model or self.weights_dir or self.gguf_file):
             bad("no model given (model / --m, --w DIR or --f FILE)")
+
+
+# The prefill chunk and the step's token budget by device: one place decides both (args.device is known
+# here; the executor and the scheduler read the resolved fields). A step holds the running decodes and
+# prefill chunks, and every stream waits a whole step between two tokens. On a GPU a step of 8,192
+# tokens is short. On the CPU it is not: the step's time grows with its tokens while the prefill rate
+# hardly does, so the chunk only decides how long the other streams freeze. CPU_PREFILL_CHUNK is the
+# smallest chunk of {128, 256, 512, 1024, 8192} whose prefill rate is within 10% of the 8,192-token
+# chunk's, measured with the demo model (SmolLM2-135M Q4_1), 4 decode streams beside one 4,000-token
+# prompt, on a 2-core VM shared with other work (noisy; all runs in benchmarks/results/cpu_prefill_chunk.json):
+#     python benchmarks/cpu_prefill_chunk.py --num-threads 1 --out benchmarks/results/cpu_prefill_chunk.json
+# chunk 128 / 256 / 512 / 1024 / 8192: prefill 25.4 / 26.2 / 24.9 / 25.4 / 22.7 tok/s, the decode streams'
+# longest gap 9.6 / 18.0 / 39.8 / 68.6 / 176 s (one thread at a load average of ~5; 128 repeated: 21.5 and
+# 24.1 tok/s, gaps 15.4 and 7.8 s). The rate is flat, so the smallest chunk, 128, is chosen.
+# The CPU budget shrinks with the chunk (the old 8,192 let several waiting prompts each add a chunk to one
+# step) but holds max_num_seqs decodes, so no running stream is left out of a step by the others.
+GPU_PREFILL_CHUNK = 8192
+CPU_PREFILL_CHUNK = 128
+UNCHUNKED_BUDGET = 8192  # prefill_chunk_size=0: a step must hold a whole prompt
+
+
+def default_batching(device: str, prefill_chunk_size: Optional[int], max_num_batched_tokens: Optional[int],
+                     max_num_seqs: int = 256) -> tuple[int, int]:
+    """(prefill chunk, token budget of one step) on `device` ("cpu", "cuda", "cuda:1"); a value the
+    user gave is kept, a None gets the device's default. A default budget is never below the chunk."""
+    chunk = prefill_chunk_size
+    if str(device).split(":")[0].strip().lower() != "cpu":
+        chunk = GPU_PREFILL_CHUNK if chunk is None else chunk
+        return chunk, max_num_batched_tokens or max(GPU_PREFILL_CHUNK, chunk)
+    chunk = CPU_PREFILL_CHUNK if chunk is None else chunk
+    if max_num_batched_tokens is not None:
+        return chunk, max_num_batched_tokens
+    if chunk == 0:
+        return chunk, UNCHUNKED_BUDGET
+    return chunk, max(CPU_PREFILL_CHUNK, chunk, max_num_seqs)

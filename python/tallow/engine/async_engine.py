@@ -83,8 +83,10 @@ class _Mailbox:
 class RequestStream:
     """Async iterator of one request's delta RequestOutputs; ends after the finished one.
 
-    A reader that is behind gets the deltas waiting for it merged into one (one SSE chunk and one
-    socket write instead of one per step: what lets a busy API process catch up).
+    With ``merge`` set, a reader that is behind gets the deltas waiting for it merged into one (one SSE
+    chunk and one socket write instead of one per step: what lets a busy API process catch up). Only
+    for readers to whom any split of the text is the same: not one that stops reading mid-way on what
+    the text says (a forced tool call ends the request where the call ends).
 
     Leaving the iteration early (break, an exception, task cancellation) does not abort the request
     by itself: call ``abort()`` (or use ``async with``), which the server does in a ``finally``."""
@@ -94,6 +96,7 @@ class RequestStream:
         self._engine = engine
         self._queue = _Mailbox()
         self.finished = False
+        self.merge = False
         self.arrival_time = time.monotonic()
 
     def __aiter__(self) -> "RequestStream":
@@ -107,7 +110,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        if q.items and item.delta:
+        if q.items and self.merge and item.delta:
             item = _merge_pending(item, q.items)
         if item.finished:
             self.finished = True

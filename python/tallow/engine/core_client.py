@@ -41,6 +41,12 @@ log = logging.getLogger("tallow.engine")
 # A text prompt longer than this is tokenized in a worker thread, not on the event loop.
 INLINE_TOKENIZE_CHARS = 4096
 WATCHDOG_S = 0.5  # how often the core process's liveness is checked
+# Step messages handled back to back when the API process is behind, before the streams write: a
+# stream then sends the steps' tokens in one chunk (RequestStream.merge), which is how one process
+# catches up, at the price of longer gaps. H100, Qwen3-0.6B shape, 256 streams, one API process
+# (benchmarks/results/serve_h100/cap_experiment): 1 -> 84.4% of offline tok/s, ITL p99 27.9 ms;
+# 3 -> 96.8%, 64.8 ms; 8 -> 96.6%, 97.5 ms. (--api-server-count 2: 101.7%, 46.8 ms.)
+MAX_STEPS_PER_TURN = 3
 
 
 @dataclasses.dataclass
@@ -140,6 +146,7 @@ class EngineCoreClient:
         self.engine.max_model_len, self.engine.dtype = self.max_model_len, info["dtype"]
         self.engine.eos_ids = set(info["eos_ids"])
         self._tasks = [watchdog, asyncio.ensure_future(self._output_loop())]
+        _freeze_startup_heap()
 
     async def _recv_ready(self):
         while True:
@@ -262,12 +269,18 @@ class EngineCoreClient:
 
     # -- what the core sends -----------------------------------------------------------------------
     async def _output_loop(self) -> None:
-        dec, pull = self._dec, self._pull
+        dec, pull, zmq = self._dec, self._pull, self._zmq
+        taken = 0
         try:
             while True:
                 frame = await pull.recv(copy=False)
                 self._handle(dec.decode(frame.buffer))
-                await asyncio.sleep(0)  # let the streams write this step before taking the next
+                taken += 1
+                # Let the streams write this step before taking the next, unless steps are waiting (this
+                # process is behind): then a few more first, which each stream writes as one chunk.
+                if taken >= MAX_STEPS_PER_TURN or not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    taken = 0
+                    await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug here would hang every stream: fail them instead
@@ -356,6 +369,22 @@ class EngineCoreClient:
         for fut in list(self._embed_futs.values()):
             if not fut.done():
                 fut.set_exception(err)
+
+
+def _freeze_startup_heap() -> None:
+    """Everything alive once the client is up (the tokenizer's tables: ~550k entries at a 152k vocabulary)
+    moves to the collector's permanent generation, and the youngest generation is collected every 50,000
+    allocations, as the engine core does on a GPU (TALLOW_GC_FREEZE): each step allocates per stream, and
+    with 256 streams the collections took ~11% of this process's CPU (benchmarks/bench_api_process.py)."""
+    import gc
+
+    from tallow import envs
+
+    if envs.TALLOW_GC_FREEZE:
+        gc.collect()
+        gc.freeze()
+        young, middle, old = gc.get_threshold()
+        gc.set_threshold(max(young, 50_000), middle, old)
 
 
 def _params_dict(p) -> dict:

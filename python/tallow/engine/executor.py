@@ -69,7 +69,8 @@ def worker_config(args: EngineArgs, cfg, device: str, eos_ids, overlap_depth: in
 
 
 def max_batched_tokens(args: EngineArgs) -> int:
-    return args.max_num_batched_tokens or max(8192, args.prefill_chunk_size)
+    """The token budget of one step (the device's default is resolved in args.default_batching)."""
+    return args.max_num_batched_tokens
 
 
 class Executor:

@@ -23,7 +23,8 @@ class _Sequence:
     """Output state of one completion (one engine request) of a request group."""
 
     __slots__ = ("index", "req_id", "params", "detok", "text", "token_ids", "sent_text", "sent_tokens", "logprobs",
-                 "sent_logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "max_stop_len")
+                 "sent_logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "max_stop_len", "hold",
+                 "plain")
 
     def __init__(self, index: int, req_id: str, params: SamplingParams, detok, max_stop_len: int):
         self.index = index
@@ -40,6 +41,9 @@ class _Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.max_stop_len = max_stop_len
+        self.hold = max(max_stop_len - 1, 0)  # characters held back while running: a stop string's possible start
+        # no log-probs, no stop strings, text wanted: a running token needs only detokenizing (process's fast path)
+        self.plain = self.logprobs is None and not params.stop and params.detokenize
 
 
 class RequestState:
@@ -113,18 +117,26 @@ class OutputProcessor:
         changed: dict[str, RequestState] = {}
         stopped: list[str] = []
         seq_of = self.seq_of
-        for out in outputs:
+        for out in outputs:  # per token of every running request: kept lean
             entry = seq_of.get(out[0])
             if entry is None:  # aborted meanwhile
                 continue
             group, seq = entry
-            if self._append(seq, out):
-                stopped.append(seq.req_id)
-            if seq.finish_reason is not None:
-                del seq_of[seq.req_id]
-            group.num_cached_tokens = out[6] if seq.index == 0 else group.num_cached_tokens
+            if seq.plain and out[3] is None:  # what _append would do for it, without the call
+                seq.token_ids.append(out[1])
+                new = seq.detok.add(out[1])
+                if new:
+                    seq.text += new
+            else:
+                if self._append(seq, out):
+                    stopped.append(seq.req_id)
+                if seq.finish_reason is not None:
+                    del seq_of[seq.req_id]
+            if seq.index == 0:
+                group.num_cached_tokens = out[6]
             changed[group.request_id] = group
-        return [self._output(g) for g in changed.values() if g.has_output], stopped
+        output = self._output
+        return [output(g) for g in changed.values() if not g.final_only or g.finished], stopped
 
     def _add_prompt_logprobs(self, prompt_logprobs: dict) -> None:
         """File prompt log-probs under their groups; a group's list is complete once every prompt
@@ -186,19 +198,23 @@ class OutputProcessor:
 
     def _output(self, group: RequestState) -> RequestOutput:
         outs = []
+        finished = True
         for seq in group.seqs:
             # Hold back text that could still become the start of a stop string.
-            hold = 0 if seq.finish_reason is not None else max(seq.max_stop_len - 1, 0)
-            upto = max(seq.sent_text, len(seq.text) - hold)
-            text = seq.text[seq.sent_text:upto]
+            if seq.finish_reason is None:
+                finished = False
+                upto = max(seq.sent_text, len(seq.text) - seq.hold) if seq.hold else len(seq.text)
+            else:
+                upto = len(seq.text)
+            text = seq.text[seq.sent_text:upto] if upto != seq.sent_text else ""
             ids = seq.token_ids[seq.sent_tokens:]
-            lps = seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else None
-            seq.sent_text, seq.sent_tokens = upto, len(seq.token_ids)
+            lps = None
             if seq.logprobs is not None:
+                lps = seq.logprobs[seq.sent_logprobs:]
                 seq.sent_logprobs = len(seq.logprobs)
+            seq.sent_text, seq.sent_tokens = upto, len(seq.token_ids)
             outs.append(CompletionOutput(seq.index, text, ids, seq.cumulative_logprob, lps, seq.finish_reason,
                                          seq.stop_reason))
-        finished = group.finished
         if finished:
             self.groups.pop(group.request_id, None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,

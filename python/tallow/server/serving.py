@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -35,16 +35,36 @@ def _lp(v: float) -> float:
     return v if v > _NEG_INF_LOGPROB else _NEG_INF_LOGPROB
 
 
+# msgspec writes UTF-8 without escaping non-ASCII, like json.dumps(ensure_ascii=False), at a fraction of
+# its cost: a stream's chunks are encoded once per delta, so this is per-token work.
+_json_bytes = msgspec.json.Encoder().encode
+
+
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _json_bytes(obj).decode("utf-8")
 
 
 def _sse(obj: Any) -> bytes:
-    return ("data: " + _dumps(obj) + "\n\n").encode("utf-8")
+    return b"data: " + _json_bytes(obj) + b"\n\n"
+
+
+class _ChunkFrame:
+    """A stream's SSE chunk as bytes around its choices: the fields every chunk of the stream repeats
+    (id, object, created, model, fingerprint) are encoded once per request, only the choice per chunk."""
+
+    def __init__(self, fields: dict, include_usage: bool):
+        self.head = b"data: " + _json_bytes(fields)[:-1] + b',"choices":['
+        self.tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+
+    def choice(self, choice: dict) -> bytes:
+        return self.head + _json_bytes(choice) + self.tail
+
+    def usage(self, usage: dict) -> bytes:
+        return self.head + b'],"usage":' + _json_bytes(usage) + b"}\n\n"
 
 
 def _json_response(obj: Any) -> web.Response:
-    return web.Response(text=_dumps(obj), content_type="application/json")
+    return web.Response(body=_json_bytes(obj), content_type="application/json", charset="utf-8")
 
 
 # -- engine plumbing shared by the handlers ----------------------------------------------------
@@ -305,6 +325,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     seats = L.Seats(st, params.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     rstream = await _add(st, {"prompt_token_ids": ids, "prompt": prompt_text}, params, rid, seats)
+    rstream.merge = parser is None  # a tool call may end the reply mid-delta: read those a step at a time
     forced_text = forced[len("</think>\n\n"):] if forced.startswith("</think>") else forced
     choices = [_ChoiceState(st.reasoning, in_reasoning, parser, forced_text, single_call) for _ in range(params.n)]
     meta = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": st.fingerprint}
@@ -380,15 +401,9 @@ async def _chat_stream(request, st, rstream, t0, meta, choices, n_prompt, includ
 
 
 async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
-    base = {"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"], "model": meta["model"],
-            "system_fingerprint": meta["system_fingerprint"]}
-
-    def chunk(choice: Optional[dict], usage=None, no_choices=False) -> bytes:
-        d = dict(base, choices=[] if no_choices else [choice])
-        if include_usage:
-            d["usage"] = usage
-        return _sse(d)
-
+    frame = _ChunkFrame({"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"],
+                         "model": meta["model"], "system_fingerprint": meta["system_fingerprint"]}, include_usage)
+    chunk = frame.choice
     head = b"".join(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}) for i in range(len(choices)))
     await resp.write(head)
@@ -429,7 +444,7 @@ async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_u
                 _ended_early(st, choices, t0)
                 break  # every choice ended (a forced call may end before the engine does); the caller aborts
         if include_usage:
-            await resp.write(chunk(None, _usage(n_prompt, n_out, cached), no_choices=True))
+            await resp.write(frame.usage(_usage(n_prompt, n_out, cached)))
     except (EngineStepError, EngineDeadError) as e:
         await resp.write(_sse(_engine_error(e).to_dict()))
     await resp.write(b"data: [DONE]\n\n")
@@ -488,6 +503,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for i, (ids, text) in enumerate(inputs):
             prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
             streams.append(await _add(st, prompt, params, f"{cid}-{i}", seats))
+            streams[-1].merge = True  # a reader behind gets one delta (one chunk) for all its waiting steps
         meta = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "system_fingerprint": st.fingerprint}
         echoes = [(text if text is not None else tok.decode(ids)) if echo else "" for ids, text in inputs]
@@ -557,13 +573,7 @@ async def _completion_stream(request, st, streams, t0, meta, n, inputs, echoes, 
 
 
 async def _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, include_usage, logprobs):
-
-    def chunk(choices: list, usage=None) -> bytes:
-        d = dict(meta, choices=choices)
-        if include_usage:
-            d["usage"] = usage
-        return _sse(d)
-
+    frame = _ChunkFrame(meta, include_usage)
     offsets = [[len(e)] * n for e in echoes]
     started = [[False] * n for _ in inputs]
     done = [[False] * n for _ in inputs]  # a finished completion keeps reporting its reason: send it once
@@ -591,12 +601,12 @@ async def _completion_events(resp, st, streams, t0, meta, n, inputs, echoes, inc
                 choice = {"index": k * n + o.index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason}
                 if o.stop_reason is not None:
                     choice["stop_reason"] = o.stop_reason
-                parts.append(chunk([choice]))
+                parts.append(frame.choice(choice))
             if parts:
                 await resp.write(b"".join(parts))
         if include_usage:
             n_prompt = sum(len(ids) for ids, _ in inputs)
-            await resp.write(chunk([], _usage(n_prompt, n_out, cached)))
+            await resp.write(frame.usage(_usage(n_prompt, n_out, cached)))
     except (EngineStepError, EngineDeadError) as e:
         await resp.write(_sse(_engine_error(e).to_dict()))
     await resp.write(b"data: [DONE]\n\n")

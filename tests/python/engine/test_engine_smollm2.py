@@ -76,7 +76,11 @@ def fixture():
 def run(fixture):
     """One batched tallow run over every fixture prompt (f32 compute, greedy, ignore_eos, top-5
     logprobs), capturing each request's full first-step logits row from the model runner."""
-    llm = LLM(GGUF, dtype="float32")
+    # Every prompt's first logits in one step of 9 rows, as the fixture was recorded: the lm head then
+    # runs on f32 activations. With 4 rows or fewer it quantizes them to q8 blocks first (the integer-dot
+    # decode kernels, as llama.cpp's CPU path), which moves these logits by up to ~0.13; the CPU's default
+    # token budget (args.default_batching) would split this batch that way.
+    llm = LLM(GGUF, dtype="float32", prefill_chunk_size=8192, max_num_batched_tokens=8192)
     first: dict[str, np.ndarray] = {}
     forward_step = llm.engine.runner.forward_step
 
