@@ -28,7 +28,7 @@ bench() {  # name, timeout, flags...
     || { echo "$name: exit $?"; rc=1; }
   grep -E "Output token throughput|Server overhead|Median ITL|P99 ITL|P99 TTFT|Step time|step gap|Failed" "$OUT/$name.log"
 }
-echo "== 64 clients"; bench serve_64 240 --clients 64 --num-prompts 256
+echo "== 64 clients"; bench serve_64 240 --clients 64 --num-prompts 1024
 echo "== 256 clients"; bench serve_256 300 --clients 256 --num-prompts 1024
 if [ "${SERVE_PATHS:-1}" = 1 ]; then
   echo "== offline: in-process LLM vs the engine-core process"
