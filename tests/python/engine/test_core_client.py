@@ -195,3 +195,28 @@ def test_a_model_that_cannot_load_leaves_no_process(model_dir, tmp_path):
     with pytest.raises((ValueError, OSError)):
         run(EngineCoreClient.launch(EngineArgs(model=str(tmp_path / "missing"))))
     assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_embeddings_do_not_stall_streams_and_stop_when_their_caller_leaves(model_dir):
+    """An embeddings job runs one prefill chunk between two steps: a stream started beside a big job
+    keeps getting tokens and finishes first; a cancelled job is dropped in the core (blocks freed)."""
+    async def main():
+        client = await EngineCoreClient.launch(args(model_dir, max_model_len=512, prefill_chunk_size=16))
+        try:
+            inputs = [{"prompt_token_ids": list(range(2 + i, 300 + i))} for i in range(8)]  # 8 x 298 tokens
+            job = asyncio.ensure_future(client.embed(inputs, pooling="mean"))
+            await wait_stats(client, lambda s: s.get("num_embed_jobs") == 1)
+            s = await client.add_request("t5 t6", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            text, ids, finish = await collect(s)
+            assert len(ids[0]) == 8 and not job.done()  # the stream ended while the job still ran
+            got = await job
+            assert len(got) == 8 and all(n == 298 for _, n in got)
+            # a caller that leaves: its job is dropped and its blocks return
+            job = asyncio.ensure_future(client.embed(inputs, pooling="last"))
+            await wait_stats(client, lambda s: s.get("num_embed_jobs") == 1 and s["kv_usage"] > 0)
+            job.cancel()
+            await wait_stats(client, lambda s: s.get("num_embed_jobs") == 0 and s["kv_usage"] == 0.0)
+        finally:
+            await client.shutdown()
+
+    run(main())
