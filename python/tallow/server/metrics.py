@@ -1,7 +1,10 @@
 """Prometheus metrics (prometheus_client text format), one registry per app.
 
-Engine gauges and token counters are read from the AsyncEngine's statistics snapshot at scrape
-time; request latencies are observed by the server as streams finish."""
+Engine gauges and token counters are read from the engine's statistics snapshot at scrape time;
+request latencies are observed by the server as streams finish. With several API server processes
+(--api-server-count), prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by
+`tallow serve` before anything imports prometheus_client) adds up every process's request metrics, so
+a scrape answered by any one of them counts them all."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,6 +18,19 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.75, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0)
+
+
+def share_between_processes(path: str) -> None:
+    """Keep request metrics in `path` from now on, for this process and the API server processes it
+    starts (prometheus_client's multiprocess mode). prometheus_client picks its value store when it
+    is imported, which tallow.server has done already, so the store is switched here too; only
+    metrics created afterwards use it (call before build_app)."""
+    from prometheus_client import metrics, values
+
+    from tallow import envs
+
+    envs.export("PROMETHEUS_MULTIPROC_DIR", path)
+    values.ValueClass = metrics.ValueClass = values.MultiProcessValue()
 
 
 class _EngineCollector:
@@ -52,7 +68,8 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine_collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._engine_collector)
         labels = ["model_name"]
         self.model_name = model_name
         self.ttft = Histogram("tallow:time_to_first_token_seconds", "Time from request arrival to its first token.",
@@ -73,4 +90,13 @@ class ServerMetrics:
         self._http.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        from tallow import envs
+
+        if not envs.PROMETHEUS_MULTIPROC_DIR:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # every API process's counters and histograms
+        registry.register(self._engine_collector)  # the engine's gauges: the same in every process
+        return generate_latest(registry)

@@ -131,6 +131,11 @@ def test_several_api_server_processes_share_the_port(model_dir):
         same = {c.completions.create(model="m", prompt="t5 t6", max_tokens=6, temperature=0).choices[0].text
                 for _ in range(6)}
         assert len(same) == 1
+        # every scrape, whichever process answers it, counts the requests of both
+        for _ in range(6):
+            text = requests.get(srv.url + "/metrics", timeout=5).text
+            done = sum(float(v) for v in re.findall(r'^tallow:request_success_total\{[^}]*\} (\S+)$', text, re.M))
+            assert done == 18, text[:2000]
     finally:
         assert srv.stop() == 0
     assert "2 API server processes" in srv.p.stderr.read()
@@ -172,3 +177,11 @@ def test_a_dying_engine_core_ends_the_server(model_dir):
         pytest.fail("the server did not end after its engine core died")
     assert rc == 1
     assert "engine core process exited" in srv.p.stderr.read()
+
+
+def test_api_server_count_defaults_by_device():
+    from tallow.server.cli import resolve_api_server_count
+
+    assert resolve_api_server_count(None, "cpu") == 1
+    assert resolve_api_server_count(None, "cuda") == resolve_api_server_count(None, "cuda:1") == 2
+    assert resolve_api_server_count(3, "cpu") == 3 and resolve_api_server_count(1, "cuda:0") == 1
