@@ -1,5 +1,6 @@
 """tallow's OpenAI-compatible HTTP server (aiohttp): protocol, SSE streaming, tool-call and
-reasoning parsers, metrics and a web UI. It holds no model logic: it talks to an AsyncEngine.
+reasoning parsers, metrics and a web UI. It holds no model logic: it talks to an engine client
+(engine/core_client.py, the engine core in its own process; or an in-process AsyncEngine).
 
     from tallow.server import ServerConfig, build_app
 """
