@@ -193,3 +193,25 @@ class ScriptedEngine:
             if finished:
                 del self.groups[rid]
         return outs
+
+
+def post(srv, path, body=None, data=None, headers=None, timeout=30):
+    """POST a JSON body (or raw data) to a ServerThread or any object with base_url."""
+    import requests
+
+    return requests.post(srv.base_url + path, json=body if data is None else None, data=data, headers=headers,
+                         timeout=timeout)
+
+
+async def collect(stream):
+    """Drain a request's stream of delta RequestOutputs: (text, token ids, finish reason) per
+    completion index."""
+    text, ids, finish = {}, {}, {}
+    async for out in stream:
+        assert out.delta
+        for o in out.outputs:
+            text[o.index] = text.get(o.index, "") + o.text
+            ids.setdefault(o.index, []).extend(o.token_ids)
+            if o.finish_reason:
+                finish[o.index] = o.finish_reason
+    return text, ids, finish

@@ -33,7 +33,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tallow.engine.async_engine import RequestStream
+from tallow.engine.async_engine import RequestStream, _aborted_output
+from tallow.engine.engine import make_request_group
 from tallow.engine.errors import EngineDeadError, EngineStepError, KVCacheFullError
 
 log = logging.getLogger("tallow.engine")
@@ -210,8 +211,6 @@ class EngineCoreClient:
                           arrival_time: Optional[float] = None) -> RequestStream:
         """Validate, tokenize and queue a request; returns its stream of delta RequestOutputs.
         ValueError (nothing queued) for a bad prompt or parameters."""
-        from tallow.engine.engine import make_request_group
-
         self._check_alive()
         request_id = request_id or f"req-{self.index}-{next(self._ids)}"
         if request_id in self._streams:
@@ -232,8 +231,6 @@ class EngineCoreClient:
     def abort(self, request_id: str) -> None:
         """Abort a request (the client went away); its blocks return to the pool at the core's next
         loop turn; a reader of its stream sees it end."""
-        from tallow.engine.async_engine import _aborted_output
-
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.finished = True

@@ -30,14 +30,16 @@ import os
 import time
 from typing import Optional
 
+from tallow.engine.core import CoreRequest, EmbedJob, EngineCore
+from tallow.engine.errors import KVCacheFullError
+from tallow.engine.sampling_params import SamplingParams
+
 log = logging.getLogger("tallow.engine")
 
 POLL_IDLE_MS = 1000  # how often an idle core checks that its parent lives
 
 
-def _params(d: dict):
-    from tallow.engine.sampling_params import SamplingParams
-
+def _params(d: dict) -> SamplingParams:
     lb = d.get("logit_bias")
     if lb:
         d["logit_bias"] = {int(k): v for k, v in lb.items()}
@@ -117,8 +119,6 @@ class EngineCoreProc:
         self.stats_dirty = True
         if kind == "add":
             _, client, group_id, ids, seqs, arrival = msg
-            from tallow.engine.core import CoreRequest
-
             creq = CoreRequest(group_id, ids, [(rid, _params(p)) for rid, p in seqs], arrival)
             if len(self.outs) > 1:
                 for rid, _ in seqs:
@@ -134,8 +134,6 @@ class EngineCoreProc:
             core.finish_stopped(msg[1])
             self._forget(msg[1])
         elif kind == "embed":
-            from tallow.engine.core import EmbedJob
-
             _, client, job_id, encoded, pooling, normalize = msg
             self.embed_jobs.append(EmbedJob((client, job_id), encoded, pooling, normalize))
         elif kind == "abort_embed":
@@ -222,8 +220,6 @@ class EngineCoreProc:
                 self.send(client, ("fail", ids, msg))
 
     def embed_step(self) -> None:
-        from tallow.engine.errors import KVCacheFullError
-
         job = self.embed_jobs[0]
         client, job_id = job.key
         self.stats_dirty = True
@@ -260,8 +256,6 @@ def run_engine_core(args, in_addr: str, out_addrs: list[str], log_level: int = l
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API server, which shuts us down
     proc: Optional[EngineCoreProc] = None
     try:
-        from tallow.engine.core import EngineCore
-
         t0 = time.perf_counter()
         core = EngineCore(args)
         log.info("engine core ready in %.1f s (pid %d)", time.perf_counter() - t0, os.getpid())

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from server_harness import write_tiny_llama
+from server_harness import collect, write_tiny_llama
 from tallow import LLM, SamplingParams
 from tallow.engine.args import EngineArgs
 from tallow.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
@@ -26,18 +26,6 @@ def make_engine(model_dir, **kw) -> LLMEngine:
 def pool_free(eng: LLMEngine) -> bool:
     return (eng.kv.num_free_blocks == eng.kv.pool.num_blocks and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)
             and not eng.has_unfinished_requests())
-
-
-async def collect(stream):
-    text, ids, finish = {}, {}, {}
-    async for out in stream:
-        assert out.delta
-        for o in out.outputs:
-            text[o.index] = text.get(o.index, "") + o.text
-            ids.setdefault(o.index, []).extend(o.token_ids)
-            if o.finish_reason:
-                finish[o.index] = o.finish_reason
-    return text, ids, finish
 
 
 def run(coro):

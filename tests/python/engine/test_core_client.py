@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from server_harness import write_tiny_llama  # noqa: E402
+from server_harness import collect, write_tiny_llama  # noqa: E402
 from tallow import LLM, SamplingParams  # noqa: E402
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.core_client import EngineCoreClient  # noqa: E402
@@ -32,18 +32,6 @@ def args(model_dir, **kw):
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-async def collect(stream):
-    text, ids, finish = {}, {}, {}
-    async for out in stream:
-        assert out.delta
-        for o in out.outputs:
-            text[o.index] = text.get(o.index, "") + o.text
-            ids.setdefault(o.index, []).extend(o.token_ids)
-            if o.finish_reason:
-                finish[o.index] = o.finish_reason
-    return text, ids, finish
 
 
 async def wait_stats(client, pred, timeout=10.0):

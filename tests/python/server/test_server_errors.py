@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from health_probe import HealthProbe  # noqa: E402
-from server_harness import ServerThread, write_tiny_llama  # noqa: E402
+from server_harness import ServerThread, post, write_tiny_llama  # noqa: E402
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.engine import LLMEngine  # noqa: E402
 from tallow.server.keys import STATE  # noqa: E402
@@ -43,11 +43,6 @@ def auth_server(model_dir):
     srv = ServerThread(eng, model_names=["tiny"], api_key="sk-test-key")
     yield srv
     srv.stop()
-
-
-def post(srv, path, body=None, data=None, headers=None, timeout=30):
-    return requests.post(srv.base_url + path, json=body if data is None else None, data=data, headers=headers,
-                         timeout=timeout)
 
 
 def assert_error(r, status, param=None, code=None, contains=None):

@@ -19,7 +19,7 @@ import pytest
 requests = pytest.importorskip("requests")
 
 from health_probe import HealthProbe  # noqa: E402
-from server_harness import ServerThread, write_tiny_llama  # noqa: E402
+from server_harness import ServerThread, post, write_tiny_llama  # noqa: E402
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.engine import LLMEngine  # noqa: E402
 from tallow.server.keys import STATE  # noqa: E402
@@ -53,11 +53,6 @@ def auth_server(model_dir):
     srv = ServerThread(eng, model_names=["tiny"], api_key="sk-test-key")
     yield srv
     srv.stop()
-
-
-def post(srv, path, body=None, data=None, headers=None, timeout=30):
-    return requests.post(srv.base_url + path, json=body if data is None else None, data=data, headers=headers,
-                         timeout=timeout)
 
 
 def assert_error(r, status, code=None, contains=()):
