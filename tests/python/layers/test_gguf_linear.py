@@ -3,11 +3,13 @@ blocks as stored, one per part where a fused layer's parts differ in type (Q4_K_
 q/k), and nothing dequantizes a whole weight per call. On the CPU each weight is the checkpoint tensor
 itself (no copy); a tied lm head follows a block-typed token table.
 
-Weights are random valid blocks (backend_ops.cases_dequant.random_blocks), the reference is float64 on
-gguf's dequantization of them. Error bound: quant_linear may quantize each activation row to 8 bits per
-block (llama.cpp's Q8 activations), a per-element error up to max|x_block| / 254, i.e. a relative L2 error
-of about 2^-8 / sqrt(3) ~ 2e-3 per product for Gaussian x (more where an output is a near-cancellation):
-REL_L2 = 2e-2 per product, 4e-2 through the gated MLP (two products in a row)."""
+Weights are random valid blocks (backend_ops.cases_dequant.random_blocks, whose scales span many orders
+of magnitude), the reference is float64 on gguf's dequantization of them, applied to x as the CPU kernel
+sees it: for up to 4 rows quant_linear quantizes each activation row to 8 bits per block (llama.cpp's Q8
+activations; q8_activations.py emulates it exactly), and through the gated MLP the reference quantizes the
+intermediate the same way. Left is f32 accumulation: relative L2 <= 1e-5 (measured <= 1.1e-6 over 600 seeds).
+Against unquantized x the error is not bounded usefully here: with these heavy-tailed weights one output can
+hang on a few activations, and 6% of M = 1 gated-MLP draws exceeded a 4e-2 relative L2."""
 import numpy as np
 import pytest
 
@@ -24,9 +26,9 @@ from tallow.layers.quantization import get_quantization_config
 
 gguf = pytest.importorskip("gguf")
 from backend_ops.cases_dequant import BLOCKS, _reference, random_blocks  # noqa: E402
+from q8_activations import as_kernel_sees  # noqa: E402
 
-REL_L2 = 2e-2
-REL_L2_GATED = 4e-2
+REL_L2 = 1e-5
 
 
 def blocks(rng, name, rows, k):
@@ -95,7 +97,7 @@ def test_mixed_block_types_one_product_per_part(rng, no_dequantize, M):
     assert [p.data_ptr for p in layer.weight_parts] == [t.data_ptr for t in (q, k, v)]
 
     x = rng.standard_normal((M, H))
-    ref = x @ np.concatenate([qd, kd, vd]).T + bias
+    ref = as_kernel_sees(x, "q4_k") @ np.concatenate([qd, kd, vd]).T + bias
     got = layer(T(x)).numpy()
     assert got.shape == (M, 12 * D)
     assert len(no_dequantize) == 3 and [c[1] for c in no_dequantize] == ["q4_k", "q4_k", "q6_k"]
@@ -119,7 +121,7 @@ def test_same_type_parts_are_views_on_cpu(rng, no_dequantize):
     layer.weight_loader("weight", u, 1)
     assert layer.weight is None and [p.data_ptr for p in layer.weight_parts] == [g.data_ptr, u.data_ptr]
     x = rng.standard_normal((3, H))
-    assert rel_l2(layer(T(x)).numpy(), x @ np.concatenate([gd, ud]).T) < REL_L2
+    assert rel_l2(layer(T(x)).numpy(), as_kernel_sees(x, "q8_0") @ np.concatenate([gd, ud]).T) < REL_L2
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -134,11 +136,12 @@ def test_gated_mlp_with_mixed_parts(rng, no_dequantize, M):
     mlp.gate_up_proj.weight_loader("weight", u, 1)
     mlp.down_proj.weight_loader("weight", d, None)
     x = rng.standard_normal((M, H)) * 0.05
-    a, b = x @ gd.T, x @ ud.T
-    ref = (a * (0.5 + 0.5 * np.tanh(a / 2)) * b) @ dd.T  # silu(a) * b, sigmoid without overflow
+    xq = as_kernel_sees(x, "q4_k")
+    a, b = xq @ gd.T, xq @ ud.T
+    ref = as_kernel_sees(a * (0.5 + 0.5 * np.tanh(a / 2)) * b, "q6_k") @ dd.T  # silu(a) * b without overflow
     got = mlp(T(x)).numpy()
     assert [c[1] for c in no_dequantize] == ["q4_k", "q6_k", "q6_k"]
-    assert rel_l2(got, ref) < REL_L2_GATED, rel_l2(got, ref)
+    assert rel_l2(got, ref) < REL_L2, rel_l2(got, ref)
 
 
 @pytest.mark.parametrize("name", ["q4_k", "iq4_nl"])
@@ -155,5 +158,5 @@ def test_tied_lm_head_on_block_token_table(rng, no_dequantize, name):
     ids = rng.integers(0, V, size=7)
     np.testing.assert_array_equal(emb(tallow.from_numpy(ids.astype(np.int64))).numpy(), td[ids].astype(np.float32))
     h = rng.standard_normal((2, H))
-    assert rel_l2(head(T(h)).numpy(), h @ td.T) < REL_L2
+    assert rel_l2(head(T(h)).numpy(), as_kernel_sees(h, name) @ td.T) < REL_L2
     assert [c[1] for c in no_dequantize] == [name]

@@ -28,29 +28,10 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 import gguf.quants  # noqa: E402
 
 from backend_ops.cases_dequant import BLOCKS  # noqa: E402
+from q8_activations import act_block, quantize_act  # noqa: E402
+
 TYPES = list(BLOCKS)
 QUANTIZABLE = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0"}
-DECODE_TYPES = [t for t in TYPES if t not in ("q8_1", "q8_k")]  # quantized-dot kernels for small M
-DECODE_MAX_M = 4  # kDecodeMaxM in cpp/ops/quant_linear.cpp
-
-
-def act_block(name, M):
-    """Elements per 8-bit activation block when quant_linear takes its decode path, else 0."""
-    if M > DECODE_MAX_M or name not in DECODE_TYPES:
-        return 0
-    return 256 if BLOCKS[name][0] == 256 else 32
-
-
-def quantize_act(x64, blk):
-    """The CPU kernel's activation quantization, emulated: (d per element [M, K], dequantized x)."""
-    x = x64.astype(np.float32).reshape(x64.shape[0], -1, blk)
-    amax = np.abs(x).max(axis=-1, keepdims=True)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(x * inv)
-    return (np.broadcast_to(d, x.shape).reshape(x64.shape).astype(np.float64),
-            (q.astype(np.float64) * d.astype(np.float64)).reshape(x64.shape))
 
 
 def make_weight(rng, name, n, k):
