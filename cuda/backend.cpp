@@ -31,6 +31,7 @@ void register_ops() {
   t.rotary_embedding = &rotary_embedding;
   t.rope_and_cache = &rope_and_cache;
   t.apply_penalties = &apply_penalties;
+  t.apply_token_bitmask_ = &apply_token_bitmask_;
   t.sample_tokens = &sample_tokens;
   t.logprobs = &logprobs;
   t.softmax = &softmax;

@@ -78,6 +78,7 @@ bool rope_and_cache(const Tensor& positions, const Tensor& q, const Tensor& k, c
 void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor& token_counts,
                      const Tensor& repetition_penalty, const Tensor& frequency_penalty,
                      const Tensor& presence_penalty);
+void apply_token_bitmask_(const Tensor& logits, const Tensor& bitmask);
 Tensor sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
                      const Tensor& min_p, const Tensor& seeds, const Tensor& offsets);
 std::tuple<Tensor, Tensor, Tensor> logprobs(const Tensor& logits, const Tensor& token_ids, int64_t num_top);

@@ -629,6 +629,21 @@ __global__ void penalties_kernel(float* __restrict__ logits, int64_t V, const in
   }
 }
 
+// One thread per 32-token word: a word of all ones (an unconstrained row) costs one load.
+template <class T>
+__global__ void token_bitmask_kernel(T* __restrict__ logits, int64_t rs, int64_t V, const int32_t* __restrict__ mask,
+                                     int64_t W, int64_t words) {
+  for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < words; q += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = q / W, w = q % W;
+    const uint32_t bits = (uint32_t)mask[q];
+    if (bits == 0xFFFFFFFFu || 32 * w >= V) continue;
+    T* row = logits + r * rs + 32 * w;
+    const int end = (int)min<int64_t>(32, V - 32 * w);
+    for (int k = 0; k < end; ++k)
+      if (!(bits >> k & 1u)) row[k] = from_float<T>(-INFINITY);
+  }
+}
+
 template <class K>
 void set_smem(const char* op, K kernel) {
   TALLOW_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem)));
@@ -662,6 +677,19 @@ void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor
   penalties_kernel<<<grid_for(total, 256), 256, 0, ctx.stream>>>(
       logits.data<float>(), V, token_ids.data<int32_t>(), token_counts.data<int32_t>(), L, total,
       repetition_penalty.data<float>(), frequency_penalty.data<float>(), presence_penalty.data<float>());
+  TALLOW_CUDA_CHECK_LAUNCH(op);
+}
+
+void apply_token_bitmask_(const Tensor& logits, const Tensor& bitmask) {
+  const char* op = "apply_token_bitmask_";
+  const int64_t B = logits.size(0), V = logits.size(1), W = bitmask.size(1), words = B * W;
+  if (words == 0) return;
+  OpContext ctx(logits);
+  TALLOW_CUDA_DISPATCH_FLOAT(op, logits.dtype(), [&] {
+    using T = scalar_t;
+    token_bitmask_kernel<T><<<grid_for(words, 256), 256, 0, ctx.stream>>>(
+        static_cast<T*>(logits.data_ptr()), logits.stride(0), V, bitmask.data<int32_t>(), W, words);
+  });
   TALLOW_CUDA_CHECK_LAUNCH(op);
 }
 

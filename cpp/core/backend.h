@@ -81,6 +81,7 @@ struct BackendOps {
   void (*apply_penalties)(const Tensor& logits, const Tensor& token_ids, const Tensor& token_counts,
                           const Tensor& repetition_penalty, const Tensor& frequency_penalty,
                           const Tensor& presence_penalty) = nullptr;
+  void (*apply_token_bitmask_)(const Tensor& logits, const Tensor& bitmask) = nullptr;
   Tensor (*sample_tokens)(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
                           const Tensor& min_p, const Tensor& seeds, const Tensor& offsets) = nullptr;
   std::tuple<Tensor, Tensor, Tensor> (*logprobs)(const Tensor& logits, const Tensor& token_ids,

@@ -201,6 +201,44 @@ void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor
   });
 }
 
+void apply_token_bitmask_(const Tensor& logits, const Tensor& bitmask) {
+  const char* op = "apply_token_bitmask_";
+  check_logits(op, logits);
+  check_defined(op, bitmask, "bitmask");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TALLOW_CHECK_TYPE(bitmask.dtype() == DType::I32, op, ": bitmask must be int32 [B, W], got ",
+                    dtype_name(bitmask.dtype()), " tensor of shape ", shape_str(bitmask.shape()));
+  TALLOW_CHECK(bitmask.dim() == 2 && bitmask.size(0) == B && bitmask.size(1) * 32 >= V, op,
+               ": bitmask must be [B, W] with B = ", B, " and W >= ", (V + 31) / 32, " (logits ",
+               shape_str(logits.shape()), "), got shape ", shape_str(bitmask.shape()));
+  check_contiguous(op, bitmask, "bitmask");
+  check_same_device(op, logits, bitmask);
+  if (B == 0) return;
+  if (!logits.device().is_cpu())
+    return device_op(&BackendOps::apply_token_bitmask_, op, logits, {&logits, &bitmask})(logits, bitmask);
+  const int64_t W = bitmask.size(1), rs = logits.stride(0), es = dtype_type_size(logits.dtype());
+  // -inf as raw bits, so one loop serves every float type
+  const uint32_t ninf = logits.dtype() == DType::F32 ? 0xFF800000u : logits.dtype() == DType::BF16 ? 0xFF80u : 0xFC00u;
+  const int32_t* mask = bitmask.data<int32_t>();
+  uint8_t* base = static_cast<uint8_t*>(logits.data_ptr());
+  parallel_rows(B, V, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint8_t* row = base + r * rs * es;
+      for (int64_t w = 0; w < W && 32 * w < V; ++w) {
+        const uint32_t bits = (uint32_t)mask[r * W + w];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t end = std::min<int64_t>(32, V - 32 * w);
+        for (int64_t k = 0; k < end; ++k) {
+          if (bits >> k & 1u) continue;
+          uint8_t* e = row + (32 * w + k) * es;
+          if (es == 4) std::memcpy(e, &ninf, 4);
+          else { const uint16_t h = (uint16_t)ninf; std::memcpy(e, &h, 2); }
+        }
+      }
+    }
+  });
+}
+
 Tensor sample_tokens(const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p,
                      const Tensor& min_p, const Tensor& seeds, const Tensor& offsets) {
   const char* op = "sample_tokens";

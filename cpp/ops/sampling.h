@@ -25,6 +25,12 @@ void apply_penalties(const Tensor& logits, const Tensor& token_ids, const Tensor
                      const Tensor& repetition_penalty, const Tensor& frequency_penalty,
                      const Tensor& presence_penalty);
 
+// In place: logits f32/f16/bf16 [B, V] (rows contiguous) where bit (j % 32) of bitmask[b, j / 32] is 0
+// becomes -inf: token j is not allowed in row b (a grammar's next-token mask, llguidance's layout).
+// bitmask i32 [B, W] with W >= ceil(V / 32), contiguous; bits past V are ignored; a row of -1 allows
+// every token.
+void apply_token_bitmask_(const Tensor& logits, const Tensor& bitmask);
+
 // One token per row, i32 [B]. logits f32/f16/bf16 [B, V] (last dim contiguous); temperature,
 // top_p, min_p f32 [B]; top_k i32 [B] (<= 0 or >= V: off); seeds, offsets i64 [B].
 //   temperature < 1e-5 (or NaN): greedy argmax of the raw logits (first index on ties, NaN counts as largest).

@@ -13,6 +13,9 @@ void bind_sampling(py::module_& m) {
         py::arg("repetition_penalty"), py::arg("frequency_penalty"), py::arg("presence_penalty"),
         "In place on logits f32 [B, V]: bans (count < 0), repetition, frequency and presence penalties for the "
         "ids listed per row in token_ids i32 [B, L] (-1: padding) with output counts token_counts i32 [B, L]");
+  m.def("apply_token_bitmask_", &ops::apply_token_bitmask_, py::arg("logits"), py::arg("bitmask"),
+        "In place: logits [B, V] -> -inf where bit j % 32 of bitmask i32 [B, W][b, j / 32] is 0 (a grammar's "
+        "next-token mask)");
   m.def("sample_tokens", &ops::sample_tokens, py::arg("logits"), py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("min_p"), py::arg("seeds"), py::arg("offsets"),
         "One token per row of logits [B, V] (i32 [B]): greedy below temperature 1e-5, else top-k, min-p, top-p "

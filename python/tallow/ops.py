@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from tallow._core import (  # noqa: F401
     add,
     apply_penalties,
+    apply_token_bitmask_,
     argmax,
     attention,
     cast,
