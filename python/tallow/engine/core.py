@@ -15,6 +15,7 @@ nothing)."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
@@ -33,6 +34,7 @@ from tallow.engine.request import Request, RequestStatus
 from tallow.engine.sampling_params import SamplingParams
 from tallow.engine.scheduler import Scheduler, SchedulerConfig
 from tallow.engine.step_data import EmbedData
+from tallow.engine.structured_output import GrammarSet
 
 log = logging.getLogger("tallow.engine")
 
@@ -113,6 +115,9 @@ class EngineCore:
                                                    args.prefill_chunk_size), self.kv)
         # launched steps whose tokens are not read yet, oldest first (at most the overlap depth between steps)
         self._pending: collections.deque[_PendingStep] = collections.deque()
+        # structured output: matchers of the constrained requests; groups waiting for their grammar
+        self.grammars = GrammarSet(tok, cfg.vocab_size, self._eos_ids)
+        self._compiling: list[tuple[list[Request], concurrent.futures.Future]] = []
         self.stats = {"schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "steps": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
         if self.device != "cpu" and envs.TALLOW_GC_FREEZE:
@@ -160,12 +165,44 @@ class EngineCore:
 
     def add_core_request(self, creq: CoreRequest) -> None:
         parent = None
+        reqs = []
         for rid, p in creq.seqs:
             req = Request(rid, creq.prompt_token_ids, p, self.max_model_len, parent=parent,
                           arrival_time=creq.arrival_time)
             parent = parent or req
-            self.scheduler.add_request(req)
+            reqs.append(req)
+        so = reqs[0].params.structured_outputs
+        if so is not None:  # scheduled once its grammar is compiled (_admit_compiled)
+            self._compiling.append((reqs, self.grammars.compile(so)))
+        else:
+            for req in reqs:
+                self.scheduler.add_request(req)
         self.stats["prompt_tokens"] += len(creq.prompt_token_ids)
+
+    def _admit_compiled(self, wait: bool = False) -> list[tuple]:
+        """Schedule the groups whose grammar is compiled (each completion gets its own matcher); a
+        grammar that fails ends its group (the API process compiled it first, so this is rare).
+        wait: block briefly for one when nothing else can run. Returns the outputs of failed ones."""
+        if wait:
+            concurrent.futures.wait([f for _, f in self._compiling], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        outs, left = [], []
+        for reqs, fut in self._compiling:
+            if not fut.done():
+                left.append((reqs, fut))
+                continue
+            try:
+                matcher = fut.result()
+            except Exception as e:  # noqa: BLE001 - reported per request
+                log.error("structured output for %s failed to compile: %s", reqs[0].request_id, e)
+                eos = min(self._eos_ids) if self._eos_ids else 0
+                outs += [(r.request_id, eos, None, "abort", None, 1, 0) for r in reqs]
+                continue
+            for i, req in enumerate(reqs):
+                self.grammars.add(req.request_id, matcher if i == 0 else matcher.deep_copy())
+                self.scheduler.add_request(req)
+        self._compiling = left
+        return outs
 
     def abort(self, rids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish these engine requests (unknown or finished ones are skipped); their blocks return
@@ -175,6 +212,11 @@ class EngineCore:
             req = sched.requests.get(rid)
             if req is not None:
                 sched.finish_request(req, status)
+            self.grammars.release(rid)
+        if self._compiling:
+            gone = set(rids)
+            self._compiling = [(reqs, f) for reqs, f in self._compiling
+                               if not any(r.request_id in gone for r in reqs)]
         self._release_if_idle()
 
     def finish_stopped(self, rids) -> None:
@@ -182,7 +224,7 @@ class EngineCore:
         self.abort(rids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pending)
+        return self.scheduler.has_unfinished or bool(self._pending) or bool(self._compiling)
 
     # -- one step --------------------------------------------------------------------------------
     def step_core(self) -> CoreStep:
@@ -195,6 +237,10 @@ class EngineCore:
         on the host, so a step after one sampling them waits (see _must_read_first)."""
         t0 = time.perf_counter()
         pending = self._pending
+        if self._compiling:
+            failed = self._admit_compiled(wait=not pending and not self.scheduler.has_unfinished)
+            if failed:
+                return CoreStep(failed)
         if pending and self._must_read_first():
             return self._finish(pending.popleft())
         out = self.scheduler.schedule()
@@ -208,7 +254,17 @@ class EngineCore:
             return CoreStep([])
         to_sample = [r for r in out.requests
                      if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens]
-        launched = self.executor.execute_model(self.scheduler.step_data(out, len(to_sample)))
+        read: list[CoreStep] = []
+        mask_fn = None
+        if self.grammars.matchers and any(r.request_id in self.grammars.matchers for r in to_sample):
+            def mask_fn():
+                # Called by the runner between this step's forward pass and its sampling: read the
+                # launched steps back (the device is busy with the forward meanwhile), advance the
+                # matchers by their tokens, then this step's masks.
+                while pending:
+                    read.append(self._finish(pending.popleft(), release=False))
+                return self.grammars.bitmask([r.request_id for r in to_sample])
+        launched = self.executor.execute_model(self.scheduler.step_data(out, len(to_sample)), mask_fn)
         self.scheduler.after_step(out)
         slots = []
         mml = self.max_model_len
@@ -228,7 +284,17 @@ class EngineCore:
         self.stats["model_s"] += t2 - t1
         self.stats["steps"] += 1
         if len(pending) > self._overlap_depth:
-            return self._finish(pending.popleft())
+            read.append(self._finish(pending.popleft()))
+        elif read:
+            self._release_if_idle()
+        if len(read) == 1:
+            return read[0]
+        if read:
+            lps: dict = {}
+            for r in read:
+                for rid, entries in (r.prompt_logprobs or {}).items():
+                    lps.setdefault(rid, []).extend(entries)
+            return CoreStep([o for r in read for o in r.outputs], lps or None)
         return CoreStep([])
 
     def _must_read_first(self) -> bool:
@@ -246,14 +312,17 @@ class EngineCore:
         return any(r not in newest and not r.is_finished and not r.awaiting_final
                    for i in range(len(pending) - 1) for r in pending[i].reqs)
 
-    def _finish(self, pending: "_PendingStep") -> CoreStep:
+    def _finish(self, pending: "_PendingStep", release: bool = True) -> CoreStep:
         """Read a launched step's sampled tokens (waiting for the device if needed) and decide the
-        stops the core can see (stop ids, EOS, lengths); stop strings are the output processor's."""
+        stops the core can see (stop ids, EOS, lengths, a completed grammar); stop strings are the
+        output processor's. release: tell the workers of ended requests now if the engine is idle
+        (not from inside a step being launched)."""
         t0 = time.perf_counter()
         res = pending.launched.result()
         if res.gpu_s is not None:
             self.stats["gpu_s"] = self.stats.get("gpu_s", 0.0) + res.gpu_s
         eos, mml, sched = self._eos_ids, self.max_model_len, self.scheduler
+        grammars = self.grammars if self.grammars.matchers else None
         lps = res.logprobs or itertools.repeat(None)
         outs = []
         now = None
@@ -266,7 +335,11 @@ class EngineCore:
             num_out = slot + 1
             p = req.params
             finish = stop_reason = None
-            if num_out >= p.min_tokens:
+            if grammars is not None and (g := grammars.consume(req.request_id, token)) is not None:
+                if g != "stop":
+                    log.error("request %s: %s", req.request_id, g)
+                finish = "stop" if g == "stop" else "abort"
+            if finish is None and num_out >= p.min_tokens:
                 if token in p.stop_token_ids:
                     finish, stop_reason = "stop", token
                 elif not p.ignore_eos and token in eos:
@@ -275,11 +348,15 @@ class EngineCore:
                                    or req.num_prompt_tokens + num_out >= mml):
                 finish = "length"
             if finish is not None:
-                sched.finish_request(req, RequestStatus.FINISHED_STOPPED if finish == "stop"
-                                     else RequestStatus.FINISHED_LENGTH)
+                sched.finish_request(req, RequestStatus.FINISHED_STOPPED if finish == "stop" else
+                                     RequestStatus.FINISHED_LENGTH if finish == "length" else
+                                     RequestStatus.FINISHED_ABORTED)
+                if grammars is not None:
+                    grammars.release(req.request_id)
             outs.append((req.request_id, token, lp, finish, stop_reason, num_out, req.num_cached_tokens))
         self.stats["generation_tokens"] += len(outs)
-        self._release_if_idle()
+        if release:
+            self._release_if_idle()
         self.stats["sample_s"] += time.perf_counter() - t0
         return CoreStep(outs, res.prompt_logprobs)
 
@@ -347,6 +424,7 @@ class EngineCore:
         return job.results
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
 
 

@@ -388,6 +388,8 @@ def _params_dict(p) -> dict:
     d = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
     if d["logit_bias"]:
         d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
+    if d["structured_outputs"] is not None:
+        d["structured_outputs"] = d["structured_outputs"].to_dict()
     return d
 
 

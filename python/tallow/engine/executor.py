@@ -113,9 +113,11 @@ class Executor:
         """The in-process worker's model runner (tests and benchmarks look inside it)."""
         return self.worker.runner
 
-    def execute_model(self, step: StepData):
-        """Queue one step; the returned handle's result() gives its StepOutput (reading it back)."""
-        return self.worker.execute_model(step)
+    def execute_model(self, step: StepData, mask_fn=None):
+        """Queue one step; the returned handle's result() gives its StepOutput (reading it back).
+        mask_fn: called once the forward pass is queued, returns the sampled rows' grammar bitmask
+        (structured output) or None."""
+        return self.worker.execute_model(step, mask_fn)
 
     def release(self, req_ids: list[str]) -> None:
         """Drop the workers' state of finished requests outside a step (the engine is idle)."""

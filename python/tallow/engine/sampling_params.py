@@ -6,6 +6,8 @@ import math
 import numbers
 from typing import Optional
 
+from tallow.engine.structured_output import StructuredOutputsParams, as_params
+
 # Fields a default may fill when a request leaves them unset (None): a server-wide one (EngineArgs), or
 # the model's generation_config.json (loader/generation_config.py); else these values.
 DEFAULTABLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -39,6 +41,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only, no text (and no stop strings), as vLLM's
     logit_bias: Optional[dict[int, float]] = None  # token id -> value added to its logit before sampling
+    # a JSON schema, regex, choice or grammar the output must follow (engine/structured_output.py)
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         # which defaultable fields the caller left unset (the engine may fill them from its defaults)
@@ -59,6 +63,10 @@ class SamplingParams:
             raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list of token ids, "
                              f"got {type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
         self.stop_token_ids = self.stop_token_ids or []
+        try:
+            self.structured_outputs = as_params(self.structured_outputs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid sampling parameter: {e}") from None
         if isinstance(self.logit_bias, dict):  # a copy (validate() refuses anything else)
             self.logit_bias = dict(self.logit_bias) or None
         self.validate()

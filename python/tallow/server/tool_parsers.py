@@ -264,6 +264,30 @@ class ToolParser:
         that opens its arguments (OpenAI's arguments are an object; small models otherwise drift)."""
         raise NotImplementedError
 
+    def call_frame(self) -> Optional[tuple[str, str, str]]:
+        """(text before a call's function name, between the name and the JSON arguments, after them)
+        where this format writes arguments as one JSON object; None where it does not."""
+        return None
+
+    def call_grammar(self, tools: list[dict], function: Optional[str]) -> Optional[tuple[str, str]]:
+        """(prompt suffix, Lark grammar of the rest) that constrains a forced reply to one call of one
+        of the tools (or the named one) with arguments valid against the tool's JSON schema
+        (structured output; engine/structured_output.py). None for formats without JSON arguments."""
+        frame = self.call_frame()
+        if frame is None:
+            return None
+        from tallow.engine.structured_output import lark_literal, with_whitespace_bound
+
+        head, mid, tail = frame
+        fns = [t["function"] for t in tools if function is None or t["function"]["name"] == function]
+        rules = []
+        for k, fn in enumerate(fns):
+            schema = fn.get("parameters") or {"type": "object"}
+            rules.append(f"call_{k}: {lark_literal(fn['name'] + mid)} %json "
+                         f"{json.dumps(with_whitespace_bound(schema))} {lark_literal(tail)}")
+        start = "start: " + " | ".join(f"call_{k}" for k in range(len(fns)))
+        return head, "\n".join([start] + rules) + "\n"
+
     @staticmethod
     def new_call_id() -> str:
         return "call_" + secrets.token_hex(12)
@@ -314,6 +338,9 @@ class HermesParser(ToolParser):
 
     def forced_prefix(self, function):
         return '<tool_call>\n{"name": "' + (f'{function}", "arguments": {{' if function else "")
+
+    def call_frame(self):
+        return '<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>'
 
 
 class MistralParser(ToolParser):
@@ -398,6 +425,9 @@ class MistralParser(ToolParser):
     def forced_prefix(self, function):
         return '[TOOL_CALLS][{"name": "' + (f'{function}", "arguments": {{' if function else "")
 
+    def call_frame(self):
+        return '[TOOL_CALLS][{"name": "', '", "arguments": ', '}]'
+
 
 class LlamaFunctionParser(ToolParser):
     """<function=name>{...}</function> (Llama 3.1 custom tools, Functionary v3.1)."""
@@ -439,6 +469,9 @@ class LlamaFunctionParser(ToolParser):
 
     def forced_prefix(self, function):
         return "<function=" + (f"{function}>{{" if function else "")
+
+    def call_frame(self):
+        return "<function=", ">", "</function>"
 
 
 class _JsonReplyParser(ToolParser):
@@ -497,6 +530,9 @@ class _JsonReplyParser(ToolParser):
 
     def forced_prefix(self, function):
         return '{"name": "' + (f'{function}", "{self.arg_key}": {{' if function else "")
+
+    def call_frame(self):
+        return '{"name": "', f'", "{self.arg_key}": ', "}"
 
 
 class Llama3JsonParser(_JsonReplyParser):

@@ -284,15 +284,18 @@ class ModelRunner:
         logits, prompt_lp = self._forward(num_tokens, num_seqs, len(rows), decode_only, self.num_decode_seqs, spans)
         return logits, states, prompt_lp
 
-    def execute_model(self, step: StepData) -> LaunchedStep:
-        """Queue one step (model and sampling) on the device; the LaunchedStep reads it back."""
+    def execute_model(self, step: StepData, mask_fn=None) -> LaunchedStep:
+        """Queue one step (model and sampling) on the device; the LaunchedStep reads it back.
+        mask_fn (structured output): called after the forward pass is queued, so the host computes
+        the grammar masks while the device runs it; returns [rows, words] int32 or None."""
         with self.on_stream():
             self.update_states(step)
             timing = self._timing_events()
             logits, states, prompt_lp = self.forward_step(step)
             launched = None
             if states:
-                launched = self.sampler.launch(logits, states, self.eos_ids)
+                bitmask = mask_fn() if mask_fn is not None else None
+                launched = self.sampler.launch(logits, states, self.eos_ids, bitmask)
                 ids = launched.ids
                 self.prev_ids.narrow(0, 0, ids.shape[0]).copy_(ids)
             if timing is not None:

@@ -221,9 +221,12 @@ class Sampler:
     def sample(self, logits: tallow.Tensor, reqs: list, eos_ids: set[int]) -> list[SampleResult]:
         return self.launch(logits, reqs, eos_ids).results() if reqs else []
 
-    def launch(self, logits: tallow.Tensor, reqs: list, eos_ids: set[int]) -> "LaunchedSample":
+    def launch(self, logits: tallow.Tensor, reqs: list, eos_ids: set[int],
+               bitmask: Optional[np.ndarray] = None) -> "LaunchedSample":
         """Queue the sampling of one step on the logits' device; the returned object holds the sampled
-        ids on the device (`ids`) and reads the results back when asked (`results()`)."""
+        ids on the device (`ids`) and reads the results back when asked (`results()`). bitmask:
+        [B, ceil(V / 32)] int32 grammar masks (structured output), applied before everything else:
+        a token the grammar forbids is -inf for greedy and random draws alike."""
         B = len(reqs)
         if logits.ndim != 2 or logits.shape[0] != B:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {B} requests")
@@ -238,10 +241,13 @@ class Sampler:
         x = logits
         pen = self._penalty_tables(reqs, eos_ids)
         tables = self._bias_tables(reqs) + ([pen] if pen is not None else [])  # logit_bias first
+        if bitmask is not None:
+            x = tallow.ops.cast(x, tallow.float32) if x.dtype != tallow.float32 else x.clone()
+            tallow.ops.apply_token_bitmask_(x, up(bitmask))
         if tables:
             if x.dtype != tallow.float32:
                 x = tallow.ops.cast(x, tallow.float32)
-            elif num_top is not None:
+            elif num_top is not None and x is raw:
                 x = x.clone()  # logprobs are of the raw logits
             x = x.contiguous()
             for table in tables:

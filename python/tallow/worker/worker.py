@@ -97,8 +97,8 @@ class Worker:
             self.runner.capture_graphs(graph_bs)
 
     # -- steps ------------------------------------------------------------------------------------
-    def execute_model(self, step: StepData) -> LaunchedStep:
-        return self.runner.execute_model(step)
+    def execute_model(self, step: StepData, mask_fn=None) -> LaunchedStep:
+        return self.runner.execute_model(step, mask_fn)
 
     def release(self, req_ids: list[str]) -> None:
         self.runner.drop_requests(req_ids)

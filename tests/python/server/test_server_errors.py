@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     eng = LLMEngine(EngineArgs(model=str(model_dir), num_kv_blocks=24, max_model_len=64))
-    srv = ServerThread(eng, model_names=["tiny"], max_body_bytes=2 * 2**20)
+    srv = ServerThread(eng, model_names=["tiny"], max_body_bytes=2 * 2**20, strict_model_name=True)
     yield srv
     srv.stop()
 
@@ -94,7 +94,12 @@ def assert_error(r, status, param=None, code=None, contains=None):
     ({"messages": MSGS, "logit_bias": [5]}, "logit_bias"),
     ({"messages": MSGS, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"messages": MSGS, "prompt_logprobs": -1}, "prompt_logprobs"),
-    ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSGS, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"messages": MSGS, "guided_regex": "[a-z", "guided_choice": ["a"]}, "guided_choice"),
+    ({"messages": MSGS, "guided_regex": "[a-z"}, None),
+    ({"messages": MSGS, "guided_json": {"type": "bogus"}}, None),
+    ({"messages": MSGS, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"messages": MSGS, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": MSGS, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"messages": MSGS, "min_tokens": 10, "max_tokens": 2}, "min_tokens"),
