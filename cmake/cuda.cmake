@@ -81,8 +81,8 @@ if(TALLOW_WITH_CUDA)
     set(TALLOW_WITH_CUDA OFF)
   else()
     list(APPEND TALLOW_CORE_DEFINITIONS TALLOW_WITH_CUDA=1)
-    # The extension finds cuBLAS where it was linked from, or in an nvidia-cublas wheel beside tallow.
-    list(APPEND CMAKE_INSTALL_RPATH "${TALLOW_CUBLAS_LIBDIR}" "$ORIGIN/../nvidia/cu13/lib" "$ORIGIN/../nvidia/cublas/lib")
+    # Build-tree binaries find cuBLAS where it was linked from; the installed extension's RUNPATH is
+    # relative (CMakeLists.txt, next to install(TARGETS _core)).
     list(APPEND CMAKE_BUILD_RPATH "${TALLOW_CUBLAS_LIBDIR}")
   endif()
 endif()

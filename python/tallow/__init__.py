@@ -8,7 +8,10 @@ from pkgutil import extend_path
 # PYTHONPATH=build/python:python both halves of the package are found.
 __path__ = extend_path(__path__, __name__)
 
-from tallow import _core  # noqa: E402
+from tallow._version import __version__  # noqa: E402
+from tallow.cuda_libs import import_core  # noqa: E402
+
+_core = import_core()  # a CUDA build may first need cuBLAS from the nvidia wheels (cuda_libs.py)
 from tallow._core import (  # noqa: E402
     Device,
     DType,
@@ -22,6 +25,8 @@ from tallow._core import (  # noqa: E402
     tensor,
 )
 from tallow import ops  # noqa: E402
+from tallow.engine.embedding_output import EmbeddingOutput, EmbeddingRequestOutput  # noqa: E402
+from tallow.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from tallow.engine.sampling_params import SamplingParams  # noqa: E402
 from tallow.llm import LLM  # noqa: E402
 
@@ -35,10 +40,8 @@ int32 = DType.int32
 int64 = DType.int64
 bool_ = DType.bool
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "LLM", "SamplingParams",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
     "Device", "DType", "Tensor", "empty", "from_buffer", "from_dlpack", "from_numpy", "get_num_threads",
     "set_num_threads", "tensor", "ops", "float32", "float16", "bfloat16", "float8_e4m3", "int8", "uint8",
     "int32", "int64", "bool_", "__version__",

@@ -1,10 +1,18 @@
 """Command-line flags shared by `tallow serve`, `tallow generate` and `tallow chat`, mapped onto
-EngineArgs (the same names `LLM(...)` takes). Flags follow candle-vllm / vLLM users' habits."""
+EngineArgs (the same names `LLM(...)` takes). Flags follow candle-vllm / vLLM users' habits: their names for
+the same setting are aliases (--kvcache-mem-gpu = --mem, --gpu-memory-utilization = --gpu-memory-fraction,
+--enable-prefix-caching = --prefix-cache, --kv-cache-dtype fp8 = --fp8-kvcache, --dtype bf16 = bfloat16)."""
 from __future__ import annotations
 
 import argparse
 
-from tallow.engine.args import EngineArgs
+from tallow.engine.args import DTYPE_ALIASES, DTYPES, EngineArgs
+
+
+def dtype_name(value: str) -> str:
+    """--dtype's value with candle-vllm's and vLLM's aliases mapped onto tallow's names (argparse then
+    checks it against the choices)."""
+    return DTYPE_ALIASES.get(value.lower(), value.lower())
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -19,8 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--f", "--gguf", dest="gguf_file",
                    help="a .gguf file, or with --m a GGUF repository, the file to pick inside it")
     g.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="compute dtype (auto: float32 on CPU)")
+    g.add_argument("--dtype", default="auto", type=dtype_name, choices=DTYPES,
+                   help="compute dtype (auto: float32 on CPU); also bf16, f16, f32 (candle-vllm), half, float (vLLM)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (benchmarks; needs only config.json)")
     g.add_argument("--isq", metavar="TYPE",
@@ -32,11 +40,16 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g = p.add_argument_group("device and memory")
     g.add_argument("--d", "--device-ids", dest="device_ids",
                    help="GPU ids, e.g. 0 or 0,1 (default: CPU)")
-    g.add_argument("--mem", type=int, help="KV-cache budget in MB (default 2048 on CPU)")
-    g.add_argument("--gpu-memory-fraction", type=float, default=0.9,
-                   help="fraction of GPU memory free after loading the weights to give the KV cache")
+    g.add_argument("--mem", "--kvcache-mem-gpu", dest="mem", type=int, metavar="MB",
+                   help="KV-cache budget in MB (default 2048 on CPU; on a GPU it replaces --gpu-memory-fraction)")
+    g.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", dest="gpu_memory_fraction", type=float,
+                   default=0.9, metavar="F",
+                   help="fraction of the GPU memory free after loading the weights to give the KV cache "
+                        "(default 0.9; vLLM's --gpu-memory-utilization counts the weights too)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--fp8-kvcache", action="store_true", help="store the KV cache in FP8 E4M3 (CUDA only)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=None,
+                   help="vLLM's name for the KV-cache dtype: auto (the model's), fp8 / fp8_e4m3 (= --fp8-kvcache)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=int,
@@ -51,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--prefill-chunk-size", type=int,
                    help="chunked prefill size; 0 disables chunking (default 8192 on a GPU, smaller on the CPU so a "
                         "long prompt does not stall the other streams)")
-    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--prefix-cache", "--enable-prefix-caching", dest="prefix_cache",
+                   action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on)")
     g.add_argument("--prefix-cache-max-tokens", type=int, help="most tokens kept cached in free blocks")
 
@@ -63,6 +77,19 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto (default): temperature, top_p, top_k, min_p and repetition_penalty from the model's "
                         "generation_config.json are the defaults a request overrides; vllm: ignore the file")
+
+
+def add_sampling_default_args(p: argparse.ArgumentParser) -> None:
+    """`tallow serve`'s server-wide sampling defaults, as candle-vllm's flags: a request's own value wins,
+    an unset one takes these, then the model's generation_config.json, then the usual default.
+    (--frequency-penalty and --presence-penalty are in add_engine_args; `tallow generate` has its own
+    per-run --temperature etc., so these use other dest names.)"""
+    g = p.add_argument_group("server-wide sampling defaults (a request's own value wins)")
+    g.add_argument("--temperature", dest="default_temperature", type=float, metavar="T",
+                   help="default temperature (0: greedy)")
+    g.add_argument("--top-p", dest="default_top_p", type=float, metavar="P", help="default top_p")
+    g.add_argument("--top-k", dest="default_top_k", type=int, metavar="K", help="default top_k (-1: off)")
+    g.add_argument("--min-p", dest="default_min_p", type=float, metavar="P", help="default min_p")
 
 
 class FlagError(ValueError):
@@ -88,15 +115,21 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if ns.device_ids:
         ids = [s for s in ns.device_ids.split(",") if s.strip()]
         device = f"cuda:{ids[0].strip()}"
-    if ns.fp8_kvcache and device == "cpu":
-        raise FlagError("--fp8-kvcache needs a CUDA device (--d 0); the CPU backend keeps the KV cache in float")
+    kv_dtype = getattr(ns, "kv_cache_dtype", None)
+    fp8 = ns.fp8_kvcache or kv_dtype in ("fp8", "fp8_e4m3")
+    if fp8 and device == "cpu":
+        flag = "--fp8-kvcache" if ns.fp8_kvcache else f"--kv-cache-dtype {kv_dtype}"
+        raise FlagError(f"{flag} needs a CUDA device (--d 0); the CPU backend keeps the KV cache in float")
     return EngineArgs(
         model=model, weights_dir=ns.weights_dir, gguf_file=gguf, revision=ns.revision, dtype=ns.dtype,
         device=device, block_size=ns.block_size, mem=ns.mem, gpu_memory_fraction=ns.gpu_memory_fraction,
         max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len, max_num_batched_tokens=ns.max_num_batched_tokens,
         prefill_chunk_size=ns.prefill_chunk_size, prefix_cache=ns.prefix_cache,
-        prefix_cache_max_tokens=ns.prefix_cache_max_tokens, kv_cache_dtype="float8_e4m3" if ns.fp8_kvcache else "auto",
+        prefix_cache_max_tokens=ns.prefix_cache_max_tokens, kv_cache_dtype="float8_e4m3" if fp8 else "auto",
         chat_template=ns.chat_template, yarn_scaling_factor=ns.yarn_scaling_factor, num_threads=ns.num_threads,
         seed=ns.seed, max_gen_tokens=ns.max_gen_tokens, frequency_penalty=ns.frequency_penalty,
         presence_penalty=ns.presence_penalty, generation_config=ns.generation_config, enforce_eager=ns.enforce_eager,
+        # `tallow serve`'s server-wide defaults (add_sampling_default_args); other commands have none
+        temperature=getattr(ns, "default_temperature", None), top_p=getattr(ns, "default_top_p", None),
+        top_k=getattr(ns, "default_top_k", None), min_p=getattr(ns, "default_min_p", None),
         cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format, quantization=ns.isq)

@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+# dtype names other servers take, mapped onto tallow's: candle-vllm's bf16 / f16 / f32, vLLM's half / float
+DTYPE_ALIASES = {"bf16": "bfloat16", "f16": "float16", "half": "float16", "f32": "float32", "float": "float32"}
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
 
 @dataclasses.dataclass
 class EngineArgs:
@@ -11,7 +15,7 @@ class EngineArgs:
     weights_dir: Optional[str] = None  # --w
     gguf_file: Optional[str] = None  # --f
     revision: Optional[str] = None
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (or an alias in DTYPE_ALIASES: bf16, half, ...)
     device: str = "cpu"
     block_size: int = 16
     mem: Optional[int] = None  # KV-cache budget in MB (default: 2048 MB on CPU)
@@ -35,8 +39,14 @@ class EngineArgs:
     num_threads: Optional[int] = None
     seed: Optional[int] = None  # default seed for requests that set none (None: fresh entropy)
     max_gen_tokens: Optional[int] = None  # default max_tokens when a request sets none
-    frequency_penalty: Optional[float] = None  # server-wide sampling defaults
+    # server-wide sampling defaults (`tallow serve --temperature ...`, as candle-vllm's): a request's own value
+    # wins; they win over the model's generation_config.json (engine/input_processor.py)
+    frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
     generation_config: str = "auto"  # auto: sampling defaults from the model's generation_config.json; vllm: none
 
     def __post_init__(self) -> None:
@@ -61,12 +71,23 @@ class EngineArgs:
             bad(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         self.prefill_chunk_size, self.max_num_batched_tokens = default_batching(
             self.device, self.prefill_chunk_size, self.max_num_batched_tokens, self.max_num_seqs)
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            bad(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.kv_cache_dtype == "fp8":
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype.lower(), self.dtype.lower())
+        if self.dtype not in DTYPES:
+            bad(f"dtype must be auto, float32, float16 or bfloat16 (or {', '.join(DTYPE_ALIASES)}), got {self.dtype!r}")
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):  # vLLM's names
             self.kv_cache_dtype = "float8_e4m3"
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "float8_e4m3"):
             bad(f"kv_cache_dtype must be auto, float16, bfloat16, float32 or fp8 (float8_e4m3), got {self.kv_cache_dtype!r}")
+        defaults = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                                                  "presence_penalty") if getattr(self, k) is not None}
+        if defaults:  # server-wide sampling defaults must be valid request values
+            from tallow.engine.sampling_params import SamplingParams
+
+            try:
+                SamplingParams(**defaults)
+            except (TypeError, ValueError) as e:
+                bad(f"sampling default: {str(e).replace('invalid sampling parameter: ', '')}")
         if self.load_format not in ("auto", "dummy"):
             bad(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.quantization is not None:

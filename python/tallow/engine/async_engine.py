@@ -165,6 +165,11 @@ class AsyncEngine:
     LLMEngine interface used here (add_request, step, abort_request, has_unfinished_requests,
     tokenizer); tests drive the server with a scripted one."""
 
+    @property
+    def structured_output(self) -> bool:
+        """Whether the engine honours SamplingParams.structured_outputs (test doubles may not)."""
+        return bool(getattr(self.engine, "structured_output", False))
+
     def __init__(self, engine, *, start: bool = True, switch_interval: Any = "default"):
         """switch_interval: the GIL hand-off interval to use while the engine runs ("default":
         GIL_SWITCH_INTERVAL; None leaves Python's setting alone)."""

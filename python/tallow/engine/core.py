@@ -94,6 +94,8 @@ class CoreStep:
 
 
 class EngineCore:
+    structured_output = True  # grammar-constrained requests (SamplingParams.structured_outputs)
+
     def __init__(self, args: EngineArgs, loaded=None):
         """loaded: (config, source, tokenizer) when the caller has them already."""
         self.args = args

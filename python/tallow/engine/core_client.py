@@ -76,6 +76,8 @@ class EngineCoreClient:
     """One API process's connection to the engine core. Use ``launch`` (spawns the core) or, for an
     extra API server process, ``connect`` with the addresses the first one got."""
 
+    structured_output = True  # the core's EngineCore honours SamplingParams.structured_outputs
+
     def __init__(self, args, addrs: CoreAddresses, client_index: int = 0,
                  proc: Optional[multiprocessing.Process] = None, tmpdir: Optional[str] = None, loaded=None):
         from tallow.engine.core import load_model_source

@@ -13,6 +13,8 @@ from tallow.engine.args import EngineArgs
 from tallow.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, dict, list[int]]
+# EngineArgs fields that are server-wide sampling defaults (`tallow serve --temperature ...`)
+SERVER_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty")
 log = logging.getLogger("tallow.engine")
 
 
@@ -25,11 +27,14 @@ class InputProcessor:
         self._seed_rng = np.random.default_rng(args.seed)
         self.model_defaults: dict = {}  # sampling defaults from the model's generation_config.json
         try:  # server-wide sampling defaults must be valid request values
-            SamplingParams(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                           max_tokens=args.max_gen_tokens)
-        except ValueError as e:
+            SamplingParams(max_tokens=args.max_gen_tokens, **self.server_defaults())
+        except (ValueError, TypeError) as e:
             raise ValueError(str(e).replace("invalid sampling parameter", "invalid engine argument (sampling default)")
                              .replace("max_tokens", "max_gen_tokens")) from None
+
+    def server_defaults(self) -> dict:
+        """{field: value} of the server-wide sampling defaults that are set (EngineArgs)."""
+        return {name: getattr(self.args, name) for name in SERVER_DEFAULTS if getattr(self.args, name) is not None}
 
     # -- prompts ---------------------------------------------------------------------------------
     def prompt_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -68,11 +73,8 @@ class InputProcessor:
         seeds a generator of per-request seeds: a run is reproducible, yet two unseeded requests do
         not sample the same stream."""
         a = self.args
-        changes = {}
         unset = params.unset_fields
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(a, name) is not None and name in unset:
-                changes[name] = getattr(a, name)
+        changes = {name: value for name, value in self.server_defaults().items() if name in unset}
         for name, value in self.model_defaults.items():
             if name in unset and name not in changes:
                 changes[name] = value

@@ -130,31 +130,39 @@ def token_bytes(tokenizer, vocab_size: int) -> tuple[list[bytes], list[int]]:
         n = len(tokenizer)
         pieces, special = [], set()
         for i in range(n):
-            if tokenizer.is_special(i):
-                special.add(i)
-                pieces.append(b"")
-                continue
             piece = tokenizer.id_to_piece(i) or ""
             m = _BYTE_PIECE.match(piece)
-            pieces.append(bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8"))
+            if m:  # a byte-fallback piece (some vocabularies mark these special too)
+                pieces.append(bytes([int(m.group(1), 16)]))
+            elif tokenizer.is_special(i):
+                special.add(i)
+                pieces.append(b"")
+            else:
+                pieces.append(piece.replace("\u2581", " ").encode("utf-8"))
     pieces = pieces[:vocab_size] + [b""] * max(0, vocab_size - len(pieces))
     return pieces, sorted(t for t in special if t < vocab_size)
 
 
 class _TokenizerView:
-    """What llguidance.TokenizerWrapper reads from a tokenizer."""
+    """What llguidance.TokenizerWrapper reads from a tokenizer. SentencePiece vocabularies prepend a
+    space to the text they encode (the dummy prefix); llguidance needs text encoded as it continues
+    a sequence, so there the text is encoded after a newline (a byte piece that merges with nothing)
+    and the newline's tokens are dropped."""
 
-    def __init__(self, tokenizer, pieces: list[bytes], special: list[int], eos: int):
+    def __init__(self, tokenizer, pieces: list[bytes], special: list[int], eos: int, byte_level: bool):
         self._tok = tokenizer
         self.tokens = pieces
         self.special_token_ids = special
         self.eos_token_id = eos
         self.bos_token_id = tokenizer.bos_token_id
+        self._lead = 0 if byte_level else len(tokenizer.encode("\n", add_special_tokens=False))
 
     def __call__(self, text) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_special_tokens=False)
+        if not self._lead:
+            return self._tok.encode(text, add_special_tokens=False)
+        return self._tok.encode("\n" + text, add_special_tokens=False)[self._lead:]
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids) -> Any:
@@ -167,7 +175,9 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids) -> Any:
     if key not in cache:
         pieces, special = token_bytes(tokenizer, vocab_size)
         first = eos[0] if eos else (tokenizer.eos_token_id or 0)
-        view = _TokenizerView(tokenizer, pieces, special, first)
+        from tallow.tokenizer.byte_level import byte_table
+
+        view = _TokenizerView(tokenizer, pieces, special, first, byte_table(tokenizer) is not None)
         cache[key] = llg.LLTokenizer(llg.TokenizerWrapper(view), n_vocab=vocab_size, eos_token=eos or None)
     return cache[key]
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tallow.server import protocol as P
-from tallow.server import serving
+from tallow.server import responses, serving
 from tallow.server.errors import APIError, bad_request, internal_error
 from tallow.server.keys import STATE, T0
 from tallow.server.limits import check_chars, check_tokens, encode, max_piece_chars
@@ -50,10 +50,12 @@ class ServerConfig:
     # runs as one pass that nothing else shares, so this bounds how long it can hold the engine and the
     # activation memory of that pass; a few full-context documents per call is what clients batch.
     max_embedding_tokens: Optional[int] = None
+    strict_model_name: bool = False  # --strict-model-name: 404 for a request naming another model
 
     def __post_init__(self):
         if not self.model_names:
             raise ValueError("ServerConfig needs at least one model name")
+        self.model_names = P.ServedNames(self.model_names, self.strict_model_name)  # check_model reads both
         if self.tool_parser is not None and self.tool_parser not in PARSERS:
             raise ValueError(f"unknown tool parser {self.tool_parser!r}; choose one of {', '.join(PARSERS)}")
         if self.reasoning not in ("auto", "think", "none"):
@@ -300,6 +302,7 @@ def build_app(engine, config: ServerConfig) -> web.Application:
     r.add_post("/v1/chat/completions", serving.chat_completions)
     r.add_post("/v1/completions", serving.completions)
     r.add_post("/v1/embeddings", serving.embeddings)
+    responses.add_routes(app)  # /v1/responses, GET and DELETE /v1/responses/{id}
     r.add_get("/v1/models", list_models)
     r.add_get("/v1/models/{model:.+}", get_model)
     r.add_post("/tokenize", tokenize)

@@ -7,6 +7,7 @@ import re
 from typing import Any, Optional
 
 from tallow.engine.sampling_params import SamplingParams
+from tallow.engine.structured_output import StructuredOutputsParams
 from tallow.server.errors import APIError, bad_request
 from tallow.server.request_body import json_type as _json_type
 from tallow.server.request_body import read_json  # noqa: F401 - the handlers call it as P.read_json
@@ -60,13 +61,27 @@ def get_field(body: dict, name: str, kind: str, default: Any = None, *, lo=None,
     return v
 
 
+class ServedNames(list):
+    """The served model names (--served-model-name) and whether a request must name one of them
+    (--strict-model-name); ServerConfig holds its model_names as one, so every check_model honours it."""
+
+    def __init__(self, names, strict: bool = False):
+        super().__init__(names)
+        self.strict = strict
+
+
 def check_model(body: dict, names: list[str]) -> str:
+    """The model name a response reports: the request's when it names a served model (vLLM), the first
+    served name when it names none, or names another model and the server is not strict (candle-vllm and
+    llama-server answer any name with their one model); strict: 404 for another model."""
     model = body.get("model")
     if model is None:
         return names[0]
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {_json_type(model)}", "model")
     if model not in names:
+        if not getattr(names, "strict", False):
+            return names[0]
         raise APIError(f"the model '{model[:200]}' does not exist; this server serves: {', '.join(names)}", 404,
                        type="invalid_request_error", param="model", code="model_not_found")
     return model
@@ -132,6 +147,7 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
         raise bad_request(f"'min_tokens' ({kw['min_tokens']}) must not exceed max_tokens ({kw['max_tokens']})",
                           "min_tokens")
     kw["logit_bias"] = _logit_bias(body, vocab_size)
+    kw["structured_outputs"] = structured_outputs(body)
     kw["prompt_logprobs"] = get_field(body, "prompt_logprobs", "int", None, lo=0, hi=MAX_LOGPROBS)  # vLLM's
     best_of = get_field(body, "best_of", "int", lo=1, hi=MAX_N)
     if best_of is not None and best_of != kw["n"]:
@@ -140,6 +156,52 @@ def sampling_params(body: dict, *, max_model_len: int, default_max_tokens: Optio
         return SamplingParams(**kw)
     except ValueError as e:
         raise bad_request(str(e)) from None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: dict) -> Optional[StructuredOutputsParams]:
+    """The output constraint of a request, from OpenAI's response_format (json_object, json_schema),
+    vLLM's structured_outputs object or its older guided_json / guided_regex / guided_choice /
+    guided_grammar fields; at most one of them. Grammars are checked later, against the tokenizer."""
+    found: list[tuple[str, dict]] = []
+    rf = get_field(body, "response_format", "dict")
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                                  "response_format")
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad_request(f"response_format type must be text, json_object or json_schema; got "
+                              f"{str(kind)[:40]!r}", "response_format")
+    so = get_field(body, "structured_outputs", "dict")
+    if so is not None:
+        fields = {k: v for k, v in so.items() if k in ("json", "regex", "choice", "grammar", "json_object")
+                  and v not in (None, False)}
+        if len(fields) != 1:
+            raise bad_request("'structured_outputs' needs exactly one of json, regex, choice, grammar, json_object",
+                              "structured_outputs")
+        found.append(("structured_outputs", fields))
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one output constraint per request; got {', '.join(n for n, _ in found)}",
+                          found[1][0])
+    name, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise bad_request(f"'{name}': {e}", name) from None
 
 
 def _logit_bias(body: dict, vocab_size: int) -> Optional[dict[int, float]]:

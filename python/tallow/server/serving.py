@@ -19,10 +19,12 @@ import numpy as np
 from aiohttp import web
 
 from tallow.engine.async_engine import EngineDeadError, EngineStepError
+from tallow.engine.structured_output import StructuredOutputsParams, compile_matcher
 from tallow.server import limits as L
 from tallow.server import protocol as P
 from tallow.server.errors import APIError, bad_request
 from tallow.server.keys import STATE, T0
+from tallow.server.mcp_tools import mcp_hub, offer_mcp_tools
 from tallow.server.reasoning import ReasoningStream, prompt_opens_reasoning
 from tallow.server.tool_parsers import ForcedToolCallStream, ToolCallStream, make_parser
 
@@ -69,8 +71,12 @@ def _json_response(obj: Any) -> web.Response:
 
 # -- engine plumbing shared by the handlers ----------------------------------------------------
 async def _add(st, prompt: dict, params, request_id: str, seats: L.Seats):
-    """Queue one request; its seats go back if it cannot be queued (else the handler's finally frees them)."""
+    """Queue one request; its seats go back if it cannot be queued (else the handler's finally frees them).
+    An output constraint is compiled against the tokenizer first (in a thread): a bad one is a 400."""
     try:
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(compile_matcher, st.tokenizer, st.vocab_size, st.tokenizer.eos_token_ids,
+                                    params.structured_outputs)
         return await st.engine.add_request(prompt, params, request_id)
     except BaseException as e:
         seats.release()
@@ -277,6 +283,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = P.get_field(body, "stream", "bool", False)
     include_usage = P.stream_options(body, stream)
     messages = P.chat_messages(body)
+    body, mcp = offer_mcp_tools(body, mcp_hub(request.app))  # --mcp-config: their tools for requests with none
     tools, tool_choice = P.chat_tools(body)
     want_logprobs = P.get_field(body, "logprobs", "bool", False)
     top_logprobs = P.get_field(body, "top_logprobs", "int", None, lo=0, hi=P.MAX_LOGPROBS)
@@ -294,20 +301,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.get("chat_template") is not None:
         raise bad_request("a per-request 'chat_template' is not accepted; start the server with --chat-template",
                           "chat_template")
-    rf = P.get_field(body, "response_format", "dict")
-    if rf is not None and rf.get("type", "text") != "text":
-        raise bad_request(f"response_format {str(rf.get('type'))[:40]!r} is not supported yet (no guided "
-                          "decoding); use 'text'", "response_format")
 
     use_tools = tools if tool_choice != "none" else None
     parser = make_parser(st.tool_parser_name, tools) if use_tools else None
-    forced, single_call = "", False
+    forced, single_call, call_grammar = "", False, None
     if parser is not None and tool_choice != "auto":
         name = tool_choice["name"] if isinstance(tool_choice, dict) else None
         if name is None and len(use_tools) == 1:  # "required" with one tool: that tool
             name = use_tools[0]["function"]["name"]
-        forced = parser.forced_prefix(name)
-        single_call = name is not None or not P.get_field(body, "parallel_tool_calls", "bool", True)
+        # One call whose arguments the tool's schema constrains (structured output), where the format
+        # writes JSON arguments and the request brings no constraint of its own; else a forced prefix.
+        if P.structured_outputs(body) is None and getattr(st.engine, "structured_output", False):
+            call_grammar = parser.call_grammar(use_tools, name)
+        forced = call_grammar[0] if call_grammar else parser.forced_prefix(name)
+        single_call = name is not None or call_grammar is not None or \
+            not P.get_field(body, "parallel_tool_calls", "bool", True)
 
     prompt_text = st.render_chat(messages, use_tools, add_generation_prompt and not continue_final, continue_final,
                                  template_kwargs)
@@ -319,6 +327,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = P.sampling_params(body, max_model_len=st.max_model_len, default_max_tokens=None,
                                logprobs=(top_logprobs or 0) if want_logprobs else None,
                                skip_special_tokens=skip_special, vocab_size=st.vocab_size)
+    if call_grammar is not None:
+        params = params.clone(structured_outputs=StructuredOutputsParams(lark=call_grammar[1]))
     if params.prompt_logprobs is not None and stream:  # vLLM's rule too: a stream has no place for them
         raise bad_request("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
     L.check_seqs_per_request(st, 1, params.n)
@@ -331,6 +341,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     meta = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": st.fingerprint}
     k = top_logprobs or 0
     try:
+        if mcp is not None:
+            from tallow.server.mcp_loop import ChatRounds, chat_rounds
+
+            later = params if call_grammar is None else params.clone(structured_outputs=None)  # rounds 2+: auto
+            rounds = ChatRounds(st, mcp, t0, meta, messages, use_tools, template_kwargs, later, seats, want_logprobs,
+                                k, include_usage, rstream, choices, len(ids))
+            return await chat_rounds(request, rounds, stream)
         if stream:
             return await _chat_stream(request, st, rstream, t0, meta, choices, len(ids), include_usage,
                                       want_logprobs, k)
@@ -341,6 +358,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k) -> web.Response:
+    result, n_out, cached, prompt_lps = await _chat_collect(st, rstream, t0, choices, want_logprobs, k)
+    body = {**{"id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"]},
+            "system_fingerprint": meta["system_fingerprint"], "choices": result, "usage": _usage(n_prompt, n_out, cached)}
+    if prompt_lps is not None:  # vLLM's field: the rendered prompt's tokens, as in /v1/completions
+        body["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps)
+    return _json_response(body)
+
+
+def _message(c: _ChoiceState, content: str) -> dict:
+    """The assistant message of a choice whose text has all been fed."""
+    msg: dict[str, Any] = {"role": "assistant", "content": c.rs.content if c.rs is not None else content}
+    if c.ts is not None:
+        msg["content"] = c.ts.content
+    if c.rs is not None and c.rs.reasoning is not None:
+        msg["reasoning_content"] = c.rs.reasoning
+    calls = c.ts.tool_calls() if c.ts is not None else []
+    if calls:
+        msg["tool_calls"] = calls
+        if not (msg["content"] or "").strip():
+            msg["content"] = None
+    return msg
+
+
+async def _chat_collect(st, rstream, t0, choices, want_logprobs, k) -> tuple[list, int, int, Any]:
+    """One generation's choices (non-streaming), with its completion tokens, cached prompt tokens and
+    prompt logprobs."""
     cached, prompt_lps = 0, None
     try:
         async for out in _observed(st, rstream, t0):
@@ -367,28 +410,13 @@ async def _chat_full(st, rstream, t0, meta, choices, n_prompt, want_logprobs, k)
     result = []
     for i, c in enumerate(choices):
         _, content, _ = c.feed("", True) if c.forced else c.feed(c.text, True)
-        msg: dict[str, Any] = {"role": "assistant", "content": c.rs.content if c.rs is not None else content}
-        if c.ts is not None:
-            msg["content"] = c.ts.content
-        if c.rs is not None and c.rs.reasoning is not None:
-            msg["reasoning_content"] = c.rs.reasoning
-        calls = c.ts.tool_calls() if c.ts is not None else []
-        if calls:
-            msg["tool_calls"] = calls
-            if not (msg["content"] or "").strip():
-                msg["content"] = None
-        choice = {"index": i, "message": msg,
+        choice = {"index": i, "message": _message(c, content),
                   "logprobs": {"content": chat_logprobs(st, c.logprobs, c.token_ids, k)} if want_logprobs else None,
                   "finish_reason": c.finish_reason_out()}
         if c.stop_reason is not None:
             choice["stop_reason"] = c.stop_reason
         result.append(choice)
-    n_out = sum(len(c.token_ids) for c in choices)
-    body = {**{"id": meta["id"], "object": "chat.completion", "created": meta["created"], "model": meta["model"]},
-            "system_fingerprint": meta["system_fingerprint"], "choices": result, "usage": _usage(n_prompt, n_out, cached)}
-    if prompt_lps is not None:  # vLLM's field: the rendered prompt's tokens, as in /v1/completions
-        body["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps)
-    return _json_response(body)
+    return result, sum(len(c.token_ids) for c in choices), cached, prompt_lps
 
 
 async def _chat_stream(request, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
@@ -400,49 +428,19 @@ async def _chat_stream(request, st, rstream, t0, meta, choices, n_prompt, includ
         return resp
 
 
+def _chat_frame(meta, include_usage: bool) -> _ChunkFrame:
+    return _ChunkFrame({"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"],
+                        "model": meta["model"], "system_fingerprint": meta["system_fingerprint"]}, include_usage)
+
+
 async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_usage, want_logprobs, k):
-    frame = _ChunkFrame({"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"],
-                         "model": meta["model"], "system_fingerprint": meta["system_fingerprint"]}, include_usage)
+    frame = _chat_frame(meta, include_usage)
     chunk = frame.choice
     head = b"".join(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}) for i in range(len(choices)))
     await resp.write(head)
-    n_out, cached = 0, 0
     try:
-        async for out in _observed(st, rstream, t0):
-            cached = out.num_cached_tokens
-            parts = []
-            for o in out.outputs:
-                c = choices[o.index]
-                if c.final_sent:
-                    continue
-                n_out += len(o.token_ids)
-                r, content, events = c.feed(o.text, o.finish_reason is not None)
-                final = o.finish_reason is not None or c.call_done
-                lp = ({"content": chat_logprobs(st, o.logprobs, o.token_ids, k)}
-                      if want_logprobs and o.token_ids else None)
-                delta: dict[str, Any] = {}
-                if r:
-                    delta["reasoning_content"] = r
-                if content:
-                    delta["content"] = content
-                if delta or lp:
-                    parts.append(chunk({"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": None}))
-                for ev in events:
-                    parts.append(chunk({"index": o.index, "delta": {"tool_calls": [ev]}, "logprobs": None,
-                                        "finish_reason": None}))
-                if final:
-                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
-                    c.final_sent = True
-                    end = {"index": o.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason_out()}
-                    if o.stop_reason is not None:
-                        end["stop_reason"] = o.stop_reason
-                    parts.append(chunk(end))
-            if parts:
-                await resp.write(b"".join(parts))
-            if all(c.final_sent for c in choices):
-                _ended_early(st, choices, t0)
-                break  # every choice ended (a forced call may end before the engine does); the caller aborts
+        n_out, cached = await _chat_round_events(resp, st, rstream, t0, chunk, choices, want_logprobs, k)
         if include_usage:
             await resp.write(frame.usage(_usage(n_prompt, n_out, cached)))
     except (EngineStepError, EngineDeadError) as e:
@@ -450,6 +448,57 @@ async def _chat_events(resp, st, rstream, t0, meta, choices, n_prompt, include_u
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _end_chunk(c: _ChoiceState, index: int, finish_reason: Optional[str] = None) -> dict:
+    end = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason or c.finish_reason_out()}
+    if c.stop_reason is not None:
+        end["stop_reason"] = c.stop_reason
+    return end
+
+
+async def _chat_round_events(resp, st, rstream, t0, chunk, choices, want_logprobs, k, defer_end: bool = False,
+                             call_offset: int = 0) -> tuple[int, int]:
+    """Stream one generation's deltas; returns (completion tokens, cached prompt tokens). defer_end:
+    the choice's end chunk (its finish_reason) is left to the caller (the MCP rounds, which decide
+    after the round whether another follows); call_offset shifts the tool calls' indexes past those
+    of earlier rounds, so that clients which merge deltas by index keep every round's calls apart."""
+    n_out, cached = 0, 0
+    async for out in _observed(st, rstream, t0):
+        cached = out.num_cached_tokens
+        parts = []
+        for o in out.outputs:
+            c = choices[o.index]
+            if c.final_sent:
+                continue
+            n_out += len(o.token_ids)
+            r, content, events = c.feed(o.text, o.finish_reason is not None)
+            final = o.finish_reason is not None or c.call_done
+            lp = ({"content": chat_logprobs(st, o.logprobs, o.token_ids, k)}
+                  if want_logprobs and o.token_ids else None)
+            delta: dict[str, Any] = {}
+            if r:
+                delta["reasoning_content"] = r
+            if content:
+                delta["content"] = content
+            if delta or lp:
+                parts.append(chunk({"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": None}))
+            for ev in events:
+                if call_offset:
+                    ev = {**ev, "index": ev["index"] + call_offset}
+                parts.append(chunk({"index": o.index, "delta": {"tool_calls": [ev]}, "logprobs": None,
+                                    "finish_reason": None}))
+            if final:
+                c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                c.final_sent = True
+                if not defer_end:
+                    parts.append(chunk(_end_chunk(c, o.index)))
+        if parts:
+            await resp.write(b"".join(parts))
+        if all(c.final_sent for c in choices):
+            _ended_early(st, choices, t0)
+            break  # every choice ended (a forced call may end before the engine does); the caller aborts
+    return n_out, cached
 
 
 # -- completions -------------------------------------------------------------------------------

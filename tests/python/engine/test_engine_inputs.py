@@ -203,7 +203,7 @@ def test_request_id_in_use(llm):
 def test_bad_engine_defaults(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_inputs_args")
     make_llama(path, seed=5, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"invalid engine argument \(sampling default\): frequency_penalty"):
+    with pytest.raises(ValueError, match=r"invalid engine argument: sampling default: frequency_penalty"):
         LLM(str(path), frequency_penalty=4.0)
     with pytest.raises(ValueError, match=r"max_gen_tokens must be an integer >= 1"):
         LLM(str(path), max_gen_tokens=0)

@@ -1,0 +1,89 @@
+"""Structured output: validity and speed (issue 28's targets).
+
+1. Validity: --num outputs (default 200) under 8 JSON schemas at temperature 1 with fresh seeds; each
+   must finish and validate (jsonschema). Prints how many did.
+2. Speed: --batch requests (default 64) decoding --tokens tokens each, unconstrained (ignore_eos)
+   against the same requests under a JSON schema that cannot complete within the budget (an array
+   of at least 1,000 objects), so both runs generate the same number of tokens; output tok/s of each,
+   best of --repeats, alternating, and their ratio.
+
+    python benchmarks/structured_output.py --model PATH.gguf [--device cuda] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python")
+sys.path[:0] = [os.path.join(_TESTS, "engine"), _TESTS]  # the validity test's schemas and prompts
+
+LONG_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                     "qty": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["name", "qty"], "additionalProperties": False}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--num", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    import jsonschema
+
+    from tallow import LLM, SamplingParams
+    from tallow.engine.structured_output import StructuredOutputsParams as SO
+    from test_structured_output import PROMPTS, SCHEMAS
+
+    kw = {"device": a.device} if a.device else {}
+    llm = LLM(a.model, max_num_seqs=max(64, a.batch), **kw)
+
+    params = [SamplingParams(temperature=1.0, max_tokens=200, seed=secrets.randbits(32),
+                             structured_outputs=SO(json=SCHEMAS[k % len(SCHEMAS)])) for k in range(a.num)]
+    t0 = time.perf_counter()
+    outs = llm.generate([PROMPTS[k % len(PROMPTS)] for k in range(a.num)], params, use_tqdm=False)
+    valid_s = time.perf_counter() - t0
+    valid = 0
+    for k, out in enumerate(outs):
+        o = out.outputs[0]
+        try:
+            if o.finish_reason == "stop":
+                jsonschema.validate(json.loads(o.text), SCHEMAS[k % len(SCHEMAS)])
+                valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    print(f"validity: {valid}/{a.num} outputs finished and validate ({valid_s:.1f} s)")
+
+    prompts = [f"Write a list of {a.tokens} items as JSON, item {i}:" for i in range(a.batch)]
+    free = SamplingParams(temperature=1.0, max_tokens=a.tokens, ignore_eos=True)
+    constrained = free.clone(structured_outputs=SO(json=LONG_SCHEMA))
+    llm.generate(prompts[:4], [free] * 2 + [constrained] * 2, use_tqdm=False)  # warm-up (graphs, tokenizer)
+    best = {"unconstrained": 0.0, "json_schema": 0.0}
+    for _ in range(a.repeats):
+        for name, p in (("unconstrained", free), ("json_schema", constrained)):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, p, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            assert n == a.batch * a.tokens, f"{name}: {n} tokens, expected {a.batch * a.tokens}"
+            best[name] = max(best[name], n / dt)
+    ratio = best["json_schema"] / best["unconstrained"]
+    print(f"batch {a.batch} x {a.tokens} tokens: unconstrained {best['unconstrained']:,.0f} tok/s, "
+          f"json_schema {best['json_schema']:,.0f} tok/s = {ratio:.3f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": os.path.basename(a.model), "device": a.device or "default", "valid": valid,
+                       "num": a.num, "batch": a.batch, "tokens": a.tokens, "tok_s": best, "ratio": ratio}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
