@@ -68,11 +68,11 @@ def test_steps_are_plain_data_and_replay_in_another_process(model_dir):
     steps, outputs = [], []
     execute = eng.executor.execute_model
 
-    def recording(step):
+    def recording(step, mask_fn=None):
         blob = pickle.dumps(step)  # plain data: no live Request, KV manager or tokenizer in it
         assert "Request" not in str(type(step)) and b"KVCacheManager" not in blob and b"Tokenizer" not in blob
         steps.append(blob)
-        return _Recorded(execute(step), outputs)
+        return _Recorded(execute(step, mask_fn), outputs)
 
     eng.executor.execute_model = recording
     preempted = []
