@@ -638,7 +638,8 @@ __global__ void token_bitmask_kernel(T* __restrict__ logits, int64_t rs, int64_t
     const uint32_t bits = (uint32_t)mask[q];
     if (bits == 0xFFFFFFFFu || 32 * w >= V) continue;
     T* row = logits + r * rs + 32 * w;
-    const int end = (int)min<int64_t>(32, V - 32 * w);
+    const int64_t left = V - 32 * w;
+    const int end = left < 32 ? (int)left : 32;
     for (int k = 0; k < end; ++k)
       if (!(bits >> k & 1u)) row[k] = from_float<T>(-INFINITY);
   }
