@@ -94,6 +94,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         _str("PROMETHEUS_MULTIPROC_DIR", None),
         "str, default unset: where API server processes share their request metrics (set by tallow serve itself "
         "when --api-server-count > 1, so /metrics counts every process's requests whichever one answers)."),
+    "TALLOW_RESPONSES_DIR": (
+        _str("TALLOW_RESPONSES_DIR", None),
+        "str, default unset: where API server processes share their stored /v1/responses (set by tallow serve "
+        "itself when --api-server-count > 1, so previous_response_id works whichever process answers)."),
     # pip's own settings, read (never written) to fetch the demo model from the index pip uses
     "PIP_INDEX_URL": (
         _str("PIP_INDEX_URL", None),

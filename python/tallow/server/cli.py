@@ -265,6 +265,9 @@ async def _serve_with(engine, config, host, port, ready, api_server_count, extra
         shared = tempfile.mkdtemp(prefix="tallow-metrics-")
         atexit.register(shutil.rmtree, shared, True)
         share_between_processes(shared)
+        stored = tempfile.mkdtemp(prefix="tallow-responses-")  # /v1/responses, whichever process answers
+        atexit.register(shutil.rmtree, stored, True)
+        envs.export("TALLOW_RESPONSES_DIR", stored)
     stop = asyncio.Event()
     engine.on_dead.append(lambda err: stop.set())
     app = build_app(engine, config)

@@ -283,7 +283,9 @@ def chat_messages(body: dict) -> list[dict]:
         content = _content_text(m.get("content"), f"{p}.content")
         if content is None and role not in ("assistant",):
             raise bad_request(f"'{p}.content' is required for {role} messages", f"{p}.content")
-        msg["content"] = content
+        # an assistant turn of tool calls only: "" rather than None, which some templates cannot render
+        # (SmolLM2's applies a string filter) and every template treats alike when testing for content
+        msg["content"] = "" if content is None else content
         if "name" in m and m["name"] is not None and not isinstance(m["name"], str):
             raise bad_request(f"'{p}.name' must be a string", f"{p}.name")
         if role == "assistant" and m.get("tool_calls") is not None:

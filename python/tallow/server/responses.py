@@ -36,7 +36,7 @@ STORE = web.AppKey("tallow_responses_store", ResponseStore)
 
 
 def add_routes(app: web.Application) -> None:
-    app[STORE] = ResponseStore()
+    app[STORE] = ResponseStore.for_this_process()
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

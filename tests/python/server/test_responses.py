@@ -189,6 +189,39 @@ def test_the_store_is_a_bounded_lru():
     assert s.nbytes == 0 and len(s) == 0
 
 
+def test_api_processes_share_one_store_on_disk(tmp_path):
+    """--api-server-count N: each process opens the store in the directory tallow serve made; what one keeps,
+    another finds (previous_response_id reaches whichever process the kernel picks) and can delete."""
+    import multiprocessing
+
+    from tallow.server.responses_store import ResponseStore
+
+    d = str(tmp_path / "responses")
+    first = ResponseStore(directory=d)
+    assert first.put("resp_1", {"id": "resp_1", "output": ["x" * 100]}, [{"role": "user", "content": "hi"}])
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:  # another process, as an extra API server is
+        seen = pool.apply(_read_and_keep, (d,))
+    assert seen == ({"id": "resp_1", "output": ["x" * 100]}, [{"role": "user", "content": "hi"}])
+    got = first.get("resp_2")
+    assert got is not None and got.response == {"id": "resp_2"} and got.conversation == []
+    assert first.delete("resp_1") and ResponseStore(directory=d).get("resp_1") is None
+    small = ResponseStore(max_bytes=2_000_000, directory=str(tmp_path / "small"))
+    for k in range(40):  # 40 x ~100 KB into a 2 MB store: the least recently used go
+        assert small.put(f"r{k}", {"x": "y" * 100_000}, [])
+    assert small.get("r39") is not None and small.get("r0") is None
+    assert not small.put("huge", {"x": "y" * 2_100_000}, [])
+
+
+def _read_and_keep(directory):
+    from tallow.server.responses_store import ResponseStore
+
+    s = ResponseStore(directory=directory)
+    entry = s.get("resp_1")
+    s.put("resp_2", {"id": "resp_2"}, [])
+    return entry.response, entry.conversation
+
+
 # -- bad requests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,param,words", [
     ({}, "input", "required"),
@@ -522,3 +555,30 @@ def test_demo_required_tool_round_trip_streaming_and_not(demo):
                                max_output_tokens=40,
                                input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "sunny, 24 C"}])
     assert r2.output_text and r2.output[-1].type in ("message", "function_call")
+
+
+def test_demo_chat_structured_output_and_tool_history(demo):
+    """The chat endpoint on the same server: response_format json_schema and guided_choice hold at temperature 1,
+    a required call's arguments validate, and a history whose assistant turn is tool calls with content null
+    renders (SmolLM2's template cannot take a null content)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = WEATHER[0]["parameters"]
+    for _ in range(3):
+        r = demo.chat.completions.create(model="demo", messages=[{"role": "user", "content": "A city as JSON."}],
+                                         temperature=1.0, max_tokens=60, response_format={
+                                             "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        r = demo.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Pick one."}],
+                                         temperature=1.0, max_tokens=10, extra_body={"guided_choice": ["yes", "no"]})
+        assert r.choices[0].message.content in ("yes", "no")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    r = demo.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                     tools=tools, tool_choice="required", temperature=1.0, max_tokens=60)
+    [call] = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 20 C"}]
+    r = demo.chat.completions.create(model="demo", messages=history, tools=tools, temperature=0, max_tokens=30)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
