@@ -63,7 +63,8 @@ def write_tiny_llama(path: pathlib.Path, seed: int = 0, chat_template: Optional[
 class ServerThread:
     """An AsyncEngine + aiohttp app on 127.0.0.1 (a free port) in a background event loop."""
 
-    def __init__(self, llm_engine, **config):
+    def __init__(self, llm_engine, *, before_serving=None, **config):
+        """before_serving: an async callable given the app after it is built, before it listens."""
         from tallow.engine.async_engine import AsyncEngine
         from tallow.server.app import ServerConfig, build_app, start_server
 
@@ -77,6 +78,8 @@ class ServerThread:
         async def setup():
             self.engine = AsyncEngine(llm_engine)
             self.app = build_app(self.engine, self.config)
+            if before_serving is not None:
+                await before_serving(self.app)
             self.runner, self.port = await start_server(self.app, "127.0.0.1", 0)
 
         self.call(setup())
@@ -215,3 +218,80 @@ async def collect(stream):
             if o.finish_reason:
                 finish[o.index] = o.finish_reason
     return text, ids, finish
+
+
+# -- a server on a scripted engine, recording the texts it encodes (tool-call and Responses tests) ----------
+def pieces(text: str, size: int = 3) -> list[str]:
+    """Cut text into small token-like pieces."""
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def make_tokenizer(tmp_path, template: str):
+    """A word tokenizer of 100 words (t0 t1 ...) with this chat template."""
+    from tallow.tokenizer import Tokenizer
+
+    d = tmp_path / "tok"
+    d.mkdir(parents=True, exist_ok=True)
+    write_word_tokenizer(d, 100, eos_id=1)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return Tokenizer.from_pretrained_dir(d)
+
+
+class Scripted:
+    """A scripted server plus a record of the texts the server encoded."""
+
+    def __init__(self, tmp_path, template=CHAT_TEMPLATE, **config):
+        import openai
+
+        self.tok = make_tokenizer(tmp_path, template)
+        self.encoded: list[str] = []
+        real = self.tok.encode
+
+        def encode(text, add_special_tokens=True):
+            self.encoded.append(text)
+            return real(text, add_special_tokens)
+
+        self.tok.encode = encode
+        self.engine = ScriptedEngine(self.tok)
+        config.setdefault("model_names", ["scripted"])
+        self.srv = ServerThread(self.engine, **config)
+        self.client = openai.OpenAI(base_url=self.srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+    def prompt(self) -> str:
+        """The last rendered prompt encoded (a grammar's compilation encodes other texts after it)."""
+        return next(t for t in reversed(self.encoded) if t.startswith("t2 "))
+
+    def script(self, *texts):
+        """Each text is cut into pieces; a list is taken as pieces; a tuple holds one per choice."""
+        self.engine.scripts.extend(pieces(t) if isinstance(t, str) else t if isinstance(t, tuple) else list(t)
+                                   for t in texts)
+
+    def stop(self):
+        self.srv.stop()
+
+
+def disconnect_mid_stream(server, path: str, body: dict, after_events: int) -> None:
+    """Stream body to path, read after_events SSE data lines, then close the connection mid-stream; returns
+    once the server is idle again, and checks that the request stopped early (its 480-token budget never
+    ran out) and that every KV block is back in the pool."""
+    import aiohttp
+
+    before = server.in_engine(lambda e: e.stats["generation_tokens"])
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.base_url + path, json=body) as r:
+                n = 0
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        n += 1
+                        if n == after_events:
+                            break  # leaving the block closes the connection mid-stream
+
+    asyncio.run(main())
+    server.wait_idle(timeout=10)
+    assert server.in_engine(lambda e: e.stats["generation_tokens"]) - before < 200  # aborted long before its end
+    free, total = server.pool_state()
+    assert free == total

@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -89,25 +88,13 @@ class McpServerThread(ServerThread):
     """ServerThread with an MCP hub started in its loop and set on the app before it serves."""
 
     def __init__(self, llm_engine, settings: McpSettings, **config):  # noqa: D107 - ServerThread's, plus the hub
-        from tallow.engine.async_engine import AsyncEngine
-        from tallow.server.app import ServerConfig, build_app, start_server
-
         config.setdefault("model_names", ["scripted"])
-        self.config = ServerConfig(**config)
-        self.llm_engine = llm_engine
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
 
-        async def setup():
+        async def with_hub(app):
             self.hub = await start_hub(settings, announce=False)
-            self.engine = AsyncEngine(llm_engine)
-            self.app = build_app(self.engine, self.config)
-            self.app[MCP_HUB] = self.hub
-            self.runner, self.port = await start_server(self.app, "127.0.0.1", 0)
+            app[MCP_HUB] = self.hub
 
-        self.call(setup())
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        super().__init__(llm_engine, before_serving=with_hub, **config)
 
     def stop(self) -> None:
         try:

@@ -3,7 +3,6 @@ Llama (greedy text equal to the chat endpoint's for the same conversation, strea
 previous_response_id reusing the earlier prompt's KV blocks, store, GET / DELETE, 400s and 404s, a client
 that leaves mid-stream) and against a scripted engine whose text is fixed (function tools, reasoning, a
 failed step)."""
-import asyncio
 import json
 
 import pytest
@@ -12,11 +11,10 @@ openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
 requests = pytest.importorskip("requests")
 
-from engine_models import write_word_tokenizer  # noqa: E402
-from server_harness import CHAT_TEMPLATE, ScriptedEngine, ServerThread, write_tiny_llama  # noqa: E402
+from server_harness import (CHAT_TEMPLATE, Scripted, ServerThread, disconnect_mid_stream, pieces,  # noqa: E402
+                            write_tiny_llama)
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.engine import LLMEngine  # noqa: E402
-from tallow.tokenizer import Tokenizer  # noqa: E402
 
 USER = "t11 t12 t13"
 # long enough that its rendered prompt fills two 16-token KV blocks, which a follow-up finds in the prefix cache
@@ -259,29 +257,9 @@ def test_too_long_input_is_refused_before_generating(server):
 
 
 # -- a client that leaves ------------------------------------------------------------------------
-def _gen_tokens(server) -> int:
-    return server.in_engine(lambda e: e.stats["generation_tokens"])
-
-
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    before = _gen_tokens(server)
     body = {"model": "tiny", "input": USER, "max_output_tokens": 480, "stream": True, "ignore_eos": True}
-
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            async with s.post(server.base_url + "/v1/responses", json=body) as r:
-                n = 0
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        n += 1
-                        if n == 6:
-                            break  # leaving the block closes the connection mid-stream
-
-    asyncio.run(main())
-    server.wait_idle(timeout=10)
-    assert _gen_tokens(server) - before < 200  # aborted long before its 480 tokens
-    free, total = server.pool_state()
-    assert free == total
+    disconnect_mid_stream(server, "/v1/responses", body, after_events=6)
     assert server.call(_seats(server)) == 0
 
 
@@ -297,41 +275,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Current wea
          {"type": "function", "name": "search", "parameters": {"type": "object",
                                                                "properties": {"query": {"type": "string"}}}}]
 RAMBLE = ["\n\nThe", " weather", " is", " {nice}", "."] * 4
-
-
-def pieces(text: str, size: int = 3) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
-
-
-class Scripted:
-    """A server on a scripted engine, recording the prompt texts it encoded."""
-
-    def __init__(self, tmp_path, template=CHAT_TEMPLATE, **config):
-        d = tmp_path / "tok"
-        d.mkdir(parents=True, exist_ok=True)
-        write_word_tokenizer(d, 100, eos_id=1)
-        cfg = json.loads((d / "tokenizer_config.json").read_text())
-        cfg["chat_template"] = template
-        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-        self.tok = Tokenizer.from_pretrained_dir(d)
-        self.encoded: list[str] = []
-        real = self.tok.encode
-
-        def encode(text, add_special_tokens=True):
-            self.encoded.append(text)
-            return real(text, add_special_tokens)
-
-        self.tok.encode = encode
-        self.engine = ScriptedEngine(self.tok)
-        self.srv = ServerThread(self.engine, model_names=["scripted"], **config)
-        self.client = openai.OpenAI(base_url=self.srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-
-    def prompt(self) -> str:
-        """The last rendered prompt encoded (a grammar's compilation encodes other texts after it)."""
-        return next(t for t in reversed(self.encoded) if t.startswith("t2 "))
-
-    def script(self, *texts):
-        self.engine.scripts.extend(pieces(t) if isinstance(t, str) else list(t) for t in texts)
 
 
 @pytest.fixture

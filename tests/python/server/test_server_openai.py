@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
 requests = pytest.importorskip("requests")
 
-from server_harness import ServerThread, write_tiny_llama  # noqa: E402
+from server_harness import ServerThread, disconnect_mid_stream, write_tiny_llama  # noqa: E402
 from tallow import LLM, SamplingParams  # noqa: E402
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.engine import LLMEngine  # noqa: E402
@@ -371,24 +371,8 @@ def _gen_tokens(server) -> int:
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    before = _gen_tokens(server)
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 480, "stream": True, "ignore_eos": True}
-
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            async with s.post(server.base_url + "/v1/chat/completions", json=body) as r:
-                n = 0
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        n += 1
-                        if n == 4:
-                            break  # leaving the block closes the connection mid-stream
-
-    asyncio.run(main())
-    server.wait_idle(timeout=10)
-    assert _gen_tokens(server) - before < 200  # aborted long before its 480 tokens
-    free, total = server.pool_state()
-    assert free == total
+    disconnect_mid_stream(server, "/v1/chat/completions", body, after_events=4)
 
 
 def test_client_disconnect_while_waiting_for_a_full_response(server):

@@ -12,10 +12,8 @@ import pytest
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
-from engine_models import write_word_tokenizer  # noqa: E402
-from server_harness import CHAT_TEMPLATE, ScriptedEngine, ServerThread  # noqa: E402
+from server_harness import CHAT_TEMPLATE, Scripted, pieces  # noqa: E402
 from tallow.server.keys import STATE  # noqa: E402
-from tallow.tokenizer import Tokenizer  # noqa: E402
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
@@ -26,48 +24,6 @@ TOOLS = [
                                                                        "properties": {"query": {"type": "string"}}}}},
 ]
 MSGS = [{"role": "user", "content": "t5 t6"}]
-
-
-def pieces(text: str, size: int = 3) -> list[str]:
-    """Cut text into small token-like pieces."""
-    return [text[i:i + size] for i in range(0, len(text), size)]
-
-
-def make_tokenizer(tmp_path, template: str) -> Tokenizer:
-    d = tmp_path / "tok"
-    d.mkdir(parents=True, exist_ok=True)
-    write_word_tokenizer(d, 100, eos_id=1)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = template
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return Tokenizer.from_pretrained_dir(d)
-
-
-class Scripted:
-    """A scripted server plus a record of the prompt texts the server encoded."""
-
-    def __init__(self, tmp_path, template=CHAT_TEMPLATE, **config):
-        self.tok = make_tokenizer(tmp_path, template)
-        self.encoded: list[str] = []
-        real = self.tok.encode
-
-        def encode(text, add_special_tokens=True):
-            self.encoded.append(text)
-            return real(text, add_special_tokens)
-
-        self.tok.encode = encode
-        self.engine = ScriptedEngine(self.tok)
-        config.setdefault("model_names", ["scripted"])
-        self.srv = ServerThread(self.engine, **config)
-        self.client = openai.OpenAI(base_url=self.srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-
-    def script(self, *texts):
-        """Each text is cut into pieces; a list is taken as pieces; a tuple holds one per choice."""
-        self.engine.scripts.extend(pieces(t) if isinstance(t, str) else t if isinstance(t, tuple) else list(t)
-                                   for t in texts)
-
-    def stop(self):
-        self.srv.stop()
 
 
 @pytest.fixture
