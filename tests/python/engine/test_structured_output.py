@@ -226,3 +226,18 @@ def test_masks_are_applied_on_the_sampled_rows(llm):
                                                    structured_outputs=SO(regex=r"[0-6]{4}")), use_tqdm=False)[0]
     assert re.fullmatch(r"[0-6]{4}", out.outputs[0].text)
     assert np.all([t != banned for t in out.outputs[0].token_ids])
+
+
+def test_constraints_cross_to_the_engine_core_process_as_plain_data():
+    """The API process sends SamplingParams as a msgpack dict (core_client._params_dict); the core rebuilds the
+    same constraint from it (core_process._params)."""
+    import msgspec
+
+    from tallow.engine.core_client import _params_dict
+    from tallow.engine.core_process import _params
+
+    for so in (SO(json={"type": "object", "properties": {"a": {"type": "integer"}}}), SO(json_object=True),
+               SO(regex=r"\d+"), SO(choice=["x", "y"]), SO(grammar='start: "a"'), SO(lark='start: %json {}')):
+        p = SamplingParams(temperature=0.5, max_tokens=7, structured_outputs=so, logit_bias={3: 1.5})
+        back = _params(msgspec.msgpack.decode(msgspec.msgpack.encode(_params_dict(p))))
+        assert back.structured_outputs == so and back.logit_bias == {3: 1.5} and back.max_tokens == 7

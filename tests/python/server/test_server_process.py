@@ -136,6 +136,11 @@ def test_several_api_server_processes_share_the_port(model_dir):
             text = requests.get(srv.url + "/metrics", timeout=5).text
             done = sum(float(v) for v in re.findall(r'^tallow:request_success_total\{[^}]*\} (\S+)$', text, re.M))
             assert done == 18, text[:2000]
+        # a stored response is found by a follow-up whichever process each request reaches
+        first = c.responses.create(model="m", input="t5 t6", max_output_tokens=4, temperature=0)
+        for _ in range(6):
+            c.responses.create(model="m", input="t7", previous_response_id=first.id, max_output_tokens=2)
+            assert c.responses.retrieve(first.id).id == first.id
     finally:
         assert srv.stop() == 0
     assert "2 API server processes" in srv.p.stderr.read()
