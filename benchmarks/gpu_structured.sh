@@ -11,10 +11,10 @@ rc=0
 bash benchmarks/gpu_session.sh build || exit 1
 export PYTHONPATH=/tmp/site
 DATA=${TALLOW_TEST_DATA:-$PWD/.gpu_data}
-(cd tests/python && timeout 300 python3 -m pytest -q -rfs -p no:cacheprovider ops/test_token_bitmask.py \
+(cd tests/python && TALLOW_TEST_DATA=$DATA timeout 300 python3 -m pytest -q -rfs -p no:cacheprovider ops/test_token_bitmask.py \
   engine/test_structured_output.py worker/test_gpu_sampler.py) >"$OUT/tests.log" 2>&1 || rc=1
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head; echo "tests: $(tail -1 "$OUT/tests.log")"
-timeout 300 python3 benchmarks/structured_output.py --model "$DATA/stories260K/stories260K.gguf" --device cuda \
+timeout 300 python3 benchmarks/structured_output.py --model "$DATA/stories260K/stories260K.gguf" --device cuda --compact \
   --json "$OUT/structured_stories260k_h100.json" >"$OUT/structured.log" 2>&1 || rc=1
 tail -3 "$OUT/structured.log"
 if [ "${WHEEL_CHECK:-1}" = 1 ]; then

@@ -241,3 +241,30 @@ def test_constraints_cross_to_the_engine_core_process_as_plain_data():
         p = SamplingParams(temperature=0.5, max_tokens=7, structured_outputs=so, logit_bias={3: 1.5})
         back = _params(msgspec.msgpack.decode(msgspec.msgpack.encode(_params_dict(p))))
         assert back.structured_outputs == so and back.logit_bias == {3: 1.5} and back.max_tokens == 7
+
+
+from engine_models import DEVICES  # noqa: E402
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stories260k_sentencepiece_vocabulary_on_every_device(shared_data, device):
+    """A real trained model with a 512-piece SentencePiece vocabulary (byte fallback), on the CPU and, where
+    there is one, the GPU (overlapped steps: the masks are computed while the forward pass runs)."""
+    llm = LLM(str(shared_data / "stories260K" / "stories260K.gguf"), device=device, max_num_seqs=16)
+    schema = {**SCHEMAS[1], "x-guidance": {"whitespace_flexible": False}}  # a 260K model loves blanks
+    prompts = ["Once upon a time"] * 12
+    params = [SamplingParams(temperature=1.0, max_tokens=120, seed=secrets.randbits(32),
+                             structured_outputs=SO(json=schema) if k % 3 == 0 else
+                             SO(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}\.") if k % 3 == 1 else
+                             SO(choice=["Lily", "Tom", "the little dog"])) for k in range(12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for k, out in enumerate(outs):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", (o.text, o.finish_reason)
+        if k % 3 == 0:
+            jsonschema.validate(json.loads(o.text), schema)
+        elif k % 3 == 1:
+            assert re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}\.", o.text), o.text
+        else:
+            assert o.text in ("Lily", "Tom", "the little dog")
+    assert_clean(llm)
