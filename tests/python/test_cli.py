@@ -280,9 +280,12 @@ def _read_until(stream, needle: str, timeout: float) -> str:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
 def test_chat_ctrl_c_stops_a_reply_and_at_the_prompt(model):
+    # SIGINT as a terminal would deliver it, even where this test runs as a background job (whose children
+    # inherit SIGINT ignored, and Python then keeps it ignored)
     p = subprocess.Popen([sys.executable, "-m", "tallow.cli", "chat", "--w", model, "--chat-template", TEMPLATE,
                           "--temperature", "0", "--ignore-eos", "--max-tokens", "100000"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _read_until(p.stderr, "/exit or Ctrl-D quits", 120)
         time.sleep(0.3)
