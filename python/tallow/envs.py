@@ -71,6 +71,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         "permanent generation and collect the youngest generation every 50,000 allocations (full "
         "collections stalled the nano-vllm workload 20-33 ms each); the same in an API server process "
         "once its engine client is up, on any device (the tokenizer's tables out of the scans)."),
+    "TALLOW_TP_TIMEOUT_S": (
+        _int("TALLOW_TP_TIMEOUT_S", 60, minimum=1),
+        "int, default 60: seconds a tensor-parallel rank waits in one collective for the others before "
+        "the engine stops with an error (a stuck rank); a dead rank is noticed within 50 ms."),
     # -- CLI and server ----------------------------------------------------------------------------
     "TALLOW_DEBUG": (
         _flag("TALLOW_DEBUG", False),

@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g = p.add_argument_group("device and memory")
     g.add_argument("--d", "--device-ids", dest="device_ids",
                    help="GPU ids, e.g. 0 or 0,1 (default: CPU)")
+    g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, metavar="N",
+                   help="shard the model over N ranks (CPU: N worker processes sharing the cores, a shared-memory "
+                        "all-reduce)")
     g.add_argument("--mem", "--kvcache-mem-gpu", dest="mem", type=int, metavar="MB",
                    help="KV-cache budget in MB (default 2048 on CPU; on a GPU it replaces --gpu-memory-fraction)")
     g.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", dest="gpu_memory_fraction", type=float,
@@ -112,9 +115,15 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         except ValueError as e:
             raise FlagError(str(e)) from None
     device = "cpu"
+    tp = getattr(ns, "tensor_parallel_size", None)
+    if tp is not None and tp < 1:
+        raise FlagError(f"--tensor-parallel-size must be at least 1, got {tp}")
     if ns.device_ids:
         ids = [s for s in ns.device_ids.split(",") if s.strip()]
         device = f"cuda:{ids[0].strip()}"
+        if len(ids) > 1:
+            raise FlagError(f"--d {ns.device_ids}: several GPUs need the NCCL collectives, not built yet; "
+                            "tensor parallelism runs on the CPU for now (-tp N without --d)")
     kv_dtype = getattr(ns, "kv_cache_dtype", None)
     fp8 = ns.fp8_kvcache or kv_dtype in ("fp8", "fp8_e4m3")
     if fp8 and device == "cpu":
@@ -132,4 +141,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         # `tallow serve`'s server-wide defaults (add_sampling_default_args); other commands have none
         temperature=getattr(ns, "default_temperature", None), top_p=getattr(ns, "default_top_p", None),
         top_k=getattr(ns, "default_top_k", None), min_p=getattr(ns, "default_min_p", None),
-        cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format, quantization=ns.isq)
+        cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format, quantization=ns.isq,
+        tensor_parallel_size=tp or 1)

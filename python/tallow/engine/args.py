@@ -37,6 +37,7 @@ class EngineArgs:
     chat_template: Optional[str] = None
     yarn_scaling_factor: Optional[float] = None
     num_threads: Optional[int] = None
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (CPU: worker processes; -tp N)
     seed: Optional[int] = None  # default seed for requests that set none (None: fresh entropy)
     max_gen_tokens: Optional[int] = None  # default max_tokens when a request sets none
     # server-wide sampling defaults (`tallow serve --temperature ...`, as candle-vllm's): a request's own value
@@ -55,6 +56,8 @@ class EngineArgs:
 
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             bad(f"block_size must be a power of two, got {self.block_size}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            bad(f"tensor_parallel_size must be a positive whole number, got {self.tensor_parallel_size!r}")
         if self.max_num_seqs <= 0:
             bad(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.mem is not None and self.mem <= 0:

@@ -31,7 +31,7 @@ import time
 from typing import Optional
 
 from tallow.engine.core import CoreRequest, EmbedJob, EngineCore
-from tallow.engine.errors import KVCacheFullError
+from tallow.engine.errors import EngineDeadError, KVCacheFullError
 from tallow.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tallow.engine")
@@ -177,6 +177,8 @@ class EngineCoreProc:
             res = core.step_core()
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests it held
             self.fail_all(e)
+            if isinstance(e, EngineDeadError):  # the devices are gone (a tensor-parallel rank died): exit
+                raise
             return
         if not res.outputs and not res.prompt_logprobs:
             return

@@ -1,16 +1,23 @@
 """The executor: the engine core's one door to the devices. It owns the device side (the model via
 tallow.models.load_model, memory profiling and the KV-cache budget, KV-cache allocation, CUDA-graph
-capture) through its workers, and takes and returns plain data only (engine/step_data.py). Today it
-holds one worker in this process; tensor parallelism would start one worker per GPU (each loading
-its shard) and send them the same StepData, and nothing above this module would change."""
+capture) through its workers, and takes and returns plain data only (engine/step_data.py).
+
+tensor_parallel_size 1 (the default): one worker in this process. N > 1: rank 0's worker stays in this
+process (its runner samples and takes the structured-output masks) and ranks 1..N-1 run in spawned
+processes (tallow/parallel/workers.py), each loading its shard; every step's StepData goes to all of
+them, and the ranks meet in the forward pass's collectives (CPU: shared memory; GPUs: NCCL, not built
+yet). The KV cache gets the same number of blocks on every rank: the fewest any rank's budget holds."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import numpy as np
 
 import tallow
 from tallow.engine.args import EngineArgs
+from tallow.engine.errors import EngineDeadError
 from tallow.engine.step_data import EmbedData, StepData
 from tallow.worker.worker import Worker, WorkerConfig
 
@@ -73,10 +80,52 @@ def max_batched_tokens(args: EngineArgs) -> int:
     return args.max_num_batched_tokens
 
 
+def check_tensor_parallel(cfg, tp: int, device: str) -> None:
+    """One clear line for a tensor-parallel size this model or device cannot take."""
+    if tp == 1:
+        return
+    if device != "cpu":
+        raise ValueError(f"tensor_parallel_size {tp} on {device}: the GPU collectives (NCCL) are not built yet; "
+                         "tensor parallelism runs on the CPU only for now (device='cpu')")
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {heads} attention heads")
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size {tp} and the model's {kv} key-value heads: one must divide the other")
+
+
+def tp_slot_bytes(args: EngineArgs, cfg, tp: int) -> int:
+    """The shared-memory slot of one rank: the largest message of a step in f32 (the hidden states of
+    a full step, or one rank's logits of max_num_seqs rows), capped (larger ones go in rounds)."""
+    largest = max(max_batched_tokens(args) * cfg.hidden_size, args.max_num_seqs * -(-cfg.vocab_size // tp)) * 4
+    return min(largest, 16 * 2**20)
+
+
 class Executor:
     def __init__(self, args: EngineArgs, cfg, source, device: str, eos_ids, overlap_depth: int,
                  step_timing: bool = False):
         wc = worker_config(args, cfg, device, eos_ids, overlap_depth, step_timing)
+        tp = args.tensor_parallel_size
+        self.tp_size, self.workers, self._dead = tp, None, None
+        if tp > 1:
+            from tallow import envs
+            from tallow.parallel import set_tp_group
+            from tallow.parallel.workers import WorkerGroup
+
+            check_tensor_parallel(cfg, tp, device)
+            # The ranks share the cores: each gets its part unless --num-threads says otherwise.
+            threads = args.num_threads or max(1, (os.cpu_count() or 1) // tp)
+            wc = dataclasses.replace(wc, tp_rank=0, tp_size=tp, num_threads=threads)
+            self.workers = WorkerGroup(tp, args, cfg, device, eos_ids, overlap_depth, threads,
+                                       tp_slot_bytes(args, cfg, tp), envs.TALLOW_TP_TIMEOUT_S)
+            set_tp_group(self.workers.comm)
+        try:
+            self._build(args, cfg, source, device, wc)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, args: EngineArgs, cfg, source, device: str, wc) -> None:
         self.worker = Worker(cfg, source, wc)
         self.dtype = self.worker.dtype
         bs = args.block_size
@@ -92,7 +141,12 @@ class Executor:
         graph_bs = 0 if (device == "cpu" or args.enforce_eager) else min(
             args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else args.max_num_seqs, args.max_num_seqs)
         budget = self.worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, graph_bs)
-        num_blocks = args.num_kv_blocks or budget // per_block
+        num_blocks = budget // per_block
+        if self.workers is not None:  # every rank the same block count: the fewest any rank holds
+            for pb, b in self.workers.wait_ready():
+                if b // pb < num_blocks:
+                    num_blocks, budget, per_block = b // pb, b, pb
+        num_blocks = args.num_kv_blocks or num_blocks
         capacity = num_blocks * bs
         if capacity < max_len:
             if args.max_model_len:
@@ -106,6 +160,8 @@ class Executor:
                                  f"tokens ({per_block} bytes); raise --mem")
             log.warning("max_model_len lowered to %d tokens to fit the KV cache (raise --mem for more)", max_len)
         self.num_blocks, self.max_model_len = num_blocks, max_len
+        if self.workers is not None:
+            self.workers.send("cache", num_blocks)
         self.worker.initialize_cache(num_blocks, graph_bs)
 
     @property
@@ -117,17 +173,45 @@ class Executor:
         """Queue one step; the returned handle's result() gives its StepOutput (reading it back).
         mask_fn: called once the forward pass is queued, returns the sampled rows' grammar bitmask
         (structured output) or None."""
-        return self.worker.execute_model(step, mask_fn)
+        if self.workers is None:
+            return self.worker.execute_model(step, mask_fn)
+        return self._on_all_ranks("step", step, lambda: self.worker.execute_model(step, mask_fn))
 
     def release(self, req_ids: list[str]) -> None:
         """Drop the workers' state of finished requests outside a step (the engine is idle)."""
+        if self.workers is not None:
+            self._on_all_ranks("release", list(req_ids), lambda: None)
         self.worker.release(req_ids)
 
     def embed(self, data: EmbedData) -> np.ndarray:
-        return self.worker.embed(data)
+        if self.workers is None:
+            return self.worker.embed(data)
+        return self._on_all_ranks("embed", data, lambda: self.worker.embed(data))
 
     def set_eos_ids(self, eos_ids) -> None:
+        if self.workers is not None:
+            self._on_all_ranks("eos", sorted(eos_ids), lambda: None)
         self.worker.runner.eos_ids = set(eos_ids)
 
+    def _on_all_ranks(self, cmd: str, payload, run_here):
+        """Send a command to the workers, then run rank 0's share. A rank that failed or died ends the
+        engine: the workers are stopped and EngineDeadError raised (now and for every later call)."""
+        from tallow.parallel.communicator import CollectiveError
+
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            self.workers.send(cmd, payload)
+            return run_here()
+        except CollectiveError as e:
+            self._dead = f"tensor parallelism stopped: {self.workers.dead_worker() or e}"
+            log.error("%s", self._dead)
+            self.shutdown()
+            raise EngineDeadError(self._dead) from None
+
     def shutdown(self) -> None:
-        pass
+        if self.workers is not None:
+            from tallow.parallel.communicator import clear_tp_group
+
+            self.workers.shutdown()
+            clear_tp_group(self.workers.comm)

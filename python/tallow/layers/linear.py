@@ -4,16 +4,18 @@
     ColumnParallelLinear         W's rows (outputs) split over ranks
     MergedColumnParallelLinear   several column-parallel projections of one input in one GEMM ([gate; up])
     QKVParallelLinear            q, k, v heads in one GEMM; kv heads replicated when ranks outnumber them
-    RowParallelLinear            W's columns (inputs) split over ranks; the partial products need an
-                                 all-reduce (added with tensor parallelism), the bias is added by rank 0
+    RowParallelLinear            W's columns (inputs) split over ranks; the partial products are
+                                 all-reduced, the bias is added by rank 0
     VocabParallelEmbedding       the token table's rows split over ranks
     ParallelLMHead               the output projection over the vocabulary (column-parallel), or the
                                  embedding's table when tied
 
-Each layer holds tp_rank / tp_size (rank 0 of 1 today: tensor parallelism adds only the communication)
-and owns its parameters through a quantization method (layers/quantization): the method creates them
-for this rank's shard, copies a checkpoint tensor's shard in, and applies the product. The layer does the
-shard arithmetic: which rows (or columns) of a checkpoint tensor belong to this rank and where they go.
+Each layer holds tp_rank / tp_size and owns its parameters through a quantization method
+(layers/quantization): the method creates them for this rank's shard, copies a checkpoint tensor's shard
+in, and applies the product. The layer does the shard arithmetic: which rows (or columns) of a
+checkpoint tensor belong to this rank and where they go. With tp_size > 1 the row-parallel layers
+all-reduce their partial sums, the embedding all-reduces its masked lookups and the lm head all-gathers
+the logits, through the process's tensor-parallel group (tallow/parallel).
 
 Checkpoint names: a fused layer loads its parts under their own names (q_proj / k_proj / v_proj,
 gate_proj / up_proj: shard ids 0, 1, 2) or, as Phi-3 and GLM-4 store them, all parts in one tensor
@@ -23,9 +25,13 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
+import numpy as np
+
 import tallow
+from tallow import ops
 from tallow.layers.module import Module
 from tallow.layers.quantization.base import UNQUANTIZED, QuantizationConfig
+from tallow.parallel.communicator import get_tp_group
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -96,7 +102,9 @@ class LinearBase(Module):
 
     def checkpoint_map(self) -> dict:
         out = {}
-        for param in ("weight", "bias"):
+        # a quantized checkpoint's method names its own tensors (qweight, scales, ...) in place of weight
+        quantized = getattr(getattr(self, "quant_method", None), "checkpoint_params", None)
+        for param in (tuple(quantized) + ("bias",)) if quantized else ("weight", "bias"):
             if param == "bias" and not self.has_bias:
                 continue
             if param == "weight" and getattr(self, "tied", False):
@@ -112,8 +120,9 @@ class LinearBase(Module):
 
     def missing(self) -> list[str]:
         out = []
+        optional = getattr(getattr(self, "quant_method", None), "optional_params", ())
         for name, (p, s) in self.checkpoint_map().items():
-            if (p, s) in self._loaded or (p, None) in self._loaded:
+            if (p, s) in self._loaded or (p, None) in self._loaded or p in optional:
                 continue
             if s is None and len(self.part_names) > 1 and all((p, i) in self._loaded
                                                                for i in range(len(self.part_names))):
@@ -141,6 +150,11 @@ class LinearBase(Module):
 
     def weight_loader(self, param: str, loaded: tallow.Tensor, shard_id=None) -> None:
         part = self._part_index(shard_id)
+        collect = getattr(self.quant_method, "collect", None)
+        if collect is not None and param != "bias":  # packed tensors: the method shards them once all are in
+            collect(self, param, loaded, part)
+            self._loaded.add((param, part))
+            return
         if part is None and len(self.output_sizes) > 1:  # all parts in one checkpoint tensor
             if loaded.ndim == 0 or loaded.shape[0] != sum(self.output_sizes):
                 raise ValueError(f"{self.fused_name}.{param}: shape {list(loaded.shape)}, the config needs "
@@ -245,16 +259,24 @@ class QKVParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """W's columns split over ranks: each rank multiplies its slice of the input; the partial sums are
-    all-reduced (tensor parallelism adds that) and rank 0 adds the bias."""
+    all-reduced and rank 0 adds the bias. reduce_results=False leaves the partial sums to the caller
+    (an MoE block reduces its combined output once instead of once per expert)."""
 
     split_input = True
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kw):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, reduce_results: bool = True, **kw):
         super().__init__(input_size, [output_size], bias, **kw)
+        self.reduce_results = reduce_results
+
+    def _reduce(self, y: tallow.Tensor) -> tallow.Tensor:
+        return get_tp_group().all_reduce(y) if self.tp_size > 1 and self.reduce_results else y
+
+    def __call__(self, x: tallow.Tensor, out: Optional[tallow.Tensor] = None) -> tallow.Tensor:
+        return self._reduce(self.quant_method.apply(self, x, out=out))
 
     def apply_gated(self, x: tallow.Tensor, activation: str, out: Optional[tallow.Tensor] = None) -> tallow.Tensor:
         """self(act(x[:, :K]) * x[:, K:]): the gated MLP's down projection with the activation folded in."""
-        return self.quant_method.apply_gated(self, x, activation, out=out)
+        return self._reduce(self.quant_method.apply_gated(self, x, activation, out=out))
 
 
 class VocabParallelEmbedding(Module):
@@ -292,9 +314,22 @@ class VocabParallelEmbedding(Module):
         yield self.weight, self.prefix + ".weight", "embed", self.embedding_dim
 
     def __call__(self, ids: tallow.Tensor) -> tallow.Tensor:
-        if self.tp_size > 1:
-            raise NotImplementedError("tensor-parallel embedding lookup (masking + all-reduce) is not built yet")
-        return self.quant_method.apply(self, ids)
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, ids)
+        # Each rank looks up the ids in its vocabulary range (the others read row 0 and are zeroed), and
+        # the all-reduce adds the one non-zero row per token. The masking runs on the host (a sync on a
+        # GPU: a masked-embedding op would keep it on the device).
+        host = np.asarray((ids if ids.device == "cpu" else ids.to("cpu")).numpy())
+        inside = (host >= self.vocab_start) & (host < self.vocab_end)
+        local = np.where(inside, host - self.vocab_start, 0).astype(host.dtype)
+        mask = tallow.from_numpy(np.ascontiguousarray(inside.astype(np.float32).reshape(-1, 1)))
+        if mask.dtype != self.dtype:
+            mask = mask.to(self.dtype)
+        local_t = tallow.from_numpy(np.ascontiguousarray(local))
+        if ids.device != "cpu":
+            local_t, mask = local_t.to(ids.device), mask.to(ids.device)
+        h = ops.mul(self.quant_method.apply(self, local_t), mask)
+        return get_tp_group().all_reduce(h)
 
 
 class ParallelLMHead(ColumnParallelLinear):
@@ -324,6 +359,16 @@ class ParallelLMHead(ColumnParallelLinear):
         self.weight, self.weight_parts = w, None
         self.tied = True
         self._tied_to = embedding
+
+    def __call__(self, x: tallow.Tensor, out: Optional[tallow.Tensor] = None) -> tallow.Tensor:
+        """The logits over the whole vocabulary: with tp_size > 1 every rank's vocabulary range,
+        all-gathered (every rank gets them; rank 0 samples)."""
+        logits = self.local_logits(x, out)
+        return get_tp_group().all_gather(logits, dim=-1) if self.tp_size > 1 else logits
+
+    def local_logits(self, x: tallow.Tensor, out: Optional[tallow.Tensor] = None) -> tallow.Tensor:
+        """This rank's vocabulary range of the logits (no communication)."""
+        return self.quant_method.apply(self, x, out=out)
 
     def process_weights_after_loading(self) -> None:
         if self.tied:  # the embedding may have taken the checkpoint's tensor itself (a GGUF view on the CPU)

@@ -28,10 +28,12 @@ class GatedMLP:
     """Layers under `prefix` (e.g. "model.layers.3.mlp."): gate_up_proj (loading gate_proj / up_proj, or a
     fused gate_up_proj as Phi-3 / GLM-4 store it) and down_proj, with biases when `bias`.
 
-    GatedMLP(gate_up, down, act) with two tensors wraps existing weights (tests, tools)."""
+    GatedMLP(gate_up, down, act) with two tensors wraps existing weights (tests, tools).
+    reduce_results=False (tensor parallelism) returns this rank's partial sum of the down projection."""
 
     def __init__(self, hidden_size, intermediate_size=None, act: str = "silu", bias=False, *, prefix: str = "",
-                 dtype=tallow.float32, device: str = "cpu", quant_config=None, tp_rank: int = 0, tp_size: int = 1):
+                 dtype=tallow.float32, device: str = "cpu", quant_config=None, tp_rank: int = 0, tp_size: int = 1,
+                 reduce_results: bool = True):
         if isinstance(hidden_size, tallow.Tensor):  # GatedMLP(gate_up, down, act[, gate_up_bias, down_bias])
             gate_up, down = hidden_size, intermediate_size
             gate_up_bias, down_bias = (bias if isinstance(bias, tallow.Tensor) else None), None
@@ -49,7 +51,7 @@ class GatedMLP:
                                                        prefix=prefix + "gate_up_proj",
                                                        part_names=[prefix + "gate_proj", prefix + "up_proj"], **common)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bool(bias), prefix=prefix + "down_proj",
-                                           **common)
+                                           reduce_results=reduce_results, **common)
 
     def __call__(self, x: tallow.Tensor, out: Optional[tallow.Tensor] = None) -> tallow.Tensor:
         return self.down_proj.apply_gated(self.gate_up_proj(x), self.gated_activation, out=out)

@@ -12,6 +12,10 @@ runs its fused gate_up / down on its contiguous slice (writing straight into one
 the rows are scaled by their routing weights, and the result is gathered back per slot (k gathers
 and adds, so the combine costs O(T*k*H) and needs no scatter kernel).
 
+Tensor parallelism: the router is replicated (every rank routes the same tokens the same way); each
+expert's (and the shared expert's) intermediate size is split over the ranks, and the combined output
+is all-reduced once.
+
 Performance caveats: one device->host copy of [T, E(+1)] router logits per MoE layer per step (a
 sync), one small host->device copy of the index/weight tables, and a Python loop over the experts
 that received tokens (one pair of GEMMs each, no grouped GEMM). Experts are GatedMLPs of linear layers,
@@ -27,6 +31,7 @@ import tallow
 from tallow import ops
 from tallow.layers.linear import ReplicatedLinear
 from tallow.layers.mlp import GatedMLP
+from tallow.parallel.communicator import get_tp_group
 
 
 def _host(t: tallow.Tensor) -> np.ndarray:
@@ -64,19 +69,25 @@ class SparseMoE:
         self.router = ReplicatedLinear(h, [self.num_experts] + [1] * self.has_shared_gate, False, prefix=prefix + "gate",
                                        part_names=parts, dummy_names=parts, **common)
         inter = cfg.moe_intermediate_size or cfg.intermediate_size
-        self.experts = [GatedMLP(h, inter, act, prefix=f"{prefix}experts.{e}.", tp_rank=tp_rank, tp_size=tp_size,
-                                 **common) for e in range(self.num_experts)]
+        self.tp_size = tp_size
+        part = dict(tp_rank=tp_rank, tp_size=tp_size, reduce_results=False, **common)  # reduced once, at the end
+        self.experts = [GatedMLP(h, inter, act, prefix=f"{prefix}experts.{e}.", **part)
+                        for e in range(self.num_experts)]
         self.shared = None
         if cfg.shared_expert_intermediate_size:
             self.shared = GatedMLP(h, cfg.shared_expert_intermediate_size, act, prefix=prefix + "shared_expert.",
-                                   tp_rank=tp_rank, tp_size=tp_size, **common)
+                                   **part)
         self.last_counts: Optional[np.ndarray] = None  # tokens per expert at the last call (tests)
+
+    def route(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(weights [T, k], expert ids [T, k]) from router logits [T, E] (layers/deepseek_moe.py overrides)."""
+        return route(logits, self.top_k, self.norm_topk_prob)
 
     def __call__(self, x: tallow.Tensor) -> tallow.Tensor:
         t, hidden = x.shape[0], x.shape[1]
         dev, dt = x.device, x.dtype
         logits = _host(self.router(x))  # [T, E (+1)]
-        weights, ids = route(logits[:, :self.num_experts], self.top_k, self.norm_topk_prob)
+        weights, ids = self.route(logits[:, :self.num_experts])
         k = self.top_k
 
         flat = ids.reshape(-1)  # assignment f = token * k + slot
@@ -115,4 +126,4 @@ class SparseMoE:
                 z = logits[:, self.num_experts:self.num_experts + 1]
                 s = ops.mul(s, dev_tensor((1.0 / (1.0 + np.exp(-z))).astype(np.float32)))
             out = ops.add(out, s)
-        return out
+        return get_tp_group().all_reduce(out) if self.tp_size > 1 else out

@@ -53,6 +53,9 @@ class SelfAttention:
             self.q_norm = RMSNorm(d, cfg.norm_eps, gemma, prefix=prefix + "q_norm", **norm_args)
             self.k_norm = RMSNorm(d, cfg.norm_eps, gemma, prefix=prefix + "k_norm", **norm_args)
         elif qk_norm == "layer_norm":
+            if tp_size > 1:
+                raise ValueError("per-head q/k LayerNorms (StableLM) are not sharded for tensor parallelism yet; "
+                                 "run this model with tensor_parallel_size 1")
             self.q_norm = LayerNorm(d, cfg.norm_eps, False, num_heads=cfg.num_attention_heads,
                                     prefix=prefix + "q_layernorm", **norm_args)
             self.k_norm = LayerNorm(d, cfg.norm_eps, False, num_heads=cfg.num_key_value_heads,

@@ -57,13 +57,15 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, max_positions: int | Non
 
 
 def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_format: str = "auto", seed: int = 0,
-               max_positions: int | None = None, quant_config=None, isq: str | None = None):
+               max_positions: int | None = None, quant_config=None, isq: str | None = None, tp_rank: int = 0,
+               tp_size: int = 1):
     """The model of `cfg` on `device` in `dtype`, its weights from `source` (a loader.source.ModelSource),
     or random ones when load_format == "dummy". The one entry point the engine's executor uses.
 
     quant_config: a layers.quantization config (default: the checkpoint's own, e.g. GGUF block types).
     isq: an --isq type (q4k, q8_0, ...): float weights are quantized to it on `device` while they load
-    (layers/quantization/isq.py), with a progress bar."""
+    (layers/quantization/isq.py), with a progress bar.
+    tp_rank / tp_size: this rank's shard of a tensor-parallel model (each layer loads its shard)."""
     cls = _check_family(cfg)
     if isq is not None:
         from tallow.layers.quantization import isq_config
@@ -75,7 +77,8 @@ def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_for
     if load_format == "dummy":
         from tallow.loader.dummy import fill_dummy
 
-        model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config)
+        model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config, tp_rank=tp_rank,
+                    tp_size=tp_size)
         fill_dummy(model, seed=seed or 0)
         return model
     from tallow.layers.quantization import config_for_checkpoint
@@ -88,7 +91,7 @@ def load_model(cfg: ModelConfig, source, dtype, device: str = "cpu", *, load_for
         gguf = GGUFWeights(source.gguf, family=cls)
     if quant_config is None:
         quant_config = config_for_checkpoint(source, None if gguf is None else gguf.dtypes())
-    model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config)
+    model = cls(cfg, dtype, max_positions, device=device, quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
     if getattr(quant_config, "name", None) == "isq":
         from tallow.layers.quantization.isq import with_progress
 

@@ -23,6 +23,7 @@ import tallow
 from tallow.engine.sampling_params import SamplingParams
 from tallow.engine.step_data import EmbedData, StepData, StepOutput
 from tallow.layers.attention import AttentionMetadata
+from tallow.parallel.communicator import get_tp_group
 from tallow.worker.sampler import Sampler
 from tallow.worker.step_inputs import StepInputs
 
@@ -74,11 +75,41 @@ class LaunchedStep:
         return StepOutput([st.request_id for st in self.states], tokens, lps, self.prompt_lp, gpu_s)
 
 
+class _ReceivedIds:
+    """A tensor-parallel rank > 0's sampled ids: rank 0's, received by broadcast (already on the host)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: tallow.Tensor):
+        self.ids = ids
+
+    def read(self) -> tuple[list[int], None]:
+        return np.asarray(self.ids.to("cpu").numpy()).tolist(), None
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank holds: its share, or one (replicated) when ranks outnumber them."""
+    return num_kv_heads // tp_size if num_kv_heads >= tp_size else 1
+
+
+def kv_cache_spec(cfg, tp_size: int = 1) -> tuple[int, int, int, bool]:
+    """(kv heads on one rank, k dim, v dim, v is a view of k's first v-dim values) of a layer's cache: the
+    family's own when its model class says (DeepSeek's latent cache: kv_cache_spec), else per-head K and V."""
+    from tallow.models import registry
+
+    own = getattr(registry.model_class(cfg.family), "kv_cache_spec", None)
+    if own is not None:
+        return own(cfg, tp_size)
+    return local_kv_heads(cfg.num_key_value_heads, tp_size), cfg.head_dim, cfg.head_dim, False
+
+
 class ModelRunner:
     def __init__(self, model, block_size: int, kv_dtype, device: str = "cpu", *,
                  max_num_seqs: int = 256, max_num_tokens: int = 8192, max_model_len: int = 4096,
                  eos_ids=(), overlap_depth: int = 1, step_timing: bool = False):
         self.model = model
+        # Tensor parallelism: every rank runs the forward pass; rank 0 samples and broadcasts the ids.
+        self.tp_rank, self.tp_size = getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1)
         self.block_size = block_size
         self.kv_dtype = kv_dtype
         self.device = device
@@ -113,12 +144,14 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------------------
     @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, kv_dtype) -> int:
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * kv_dtype.type_size
+    def kv_bytes_per_block(cfg, block_size: int, kv_dtype, tp_size: int = 1) -> int:
+        heads, k_dim, v_dim, v_in_k = kv_cache_spec(cfg, tp_size)
+        return cfg.num_hidden_layers * block_size * heads * (k_dim + (0 if v_in_k else v_dim)) * kv_dtype.type_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model.cfg
-        shape = [num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim]
+        heads, k_dim, v_dim, v_in_k = kv_cache_spec(cfg, self.tp_size)
+        shape = [num_blocks, self.block_size, heads, k_dim]
         # On CUDA each block is stored head-major ([blocks, heads, rows, dim] in memory, the ops see the
         # usual [blocks, rows, heads, dim] view with its strides): a kv head's rows of a block are then
         # one contiguous run (4 KiB at 16 rows of 128 bf16) instead of 256-byte pieces 2 KiB apart, which
@@ -126,14 +159,18 @@ class ModelRunner:
         # tok/s; the row-major alternative was retired, see benchmarks/results/README.md).
         head_major = self.device != "cpu"
 
-        def cache():
+        def cache(dim):
             if head_major:
-                t = tallow.empty([shape[0], shape[2], shape[1], shape[3]], self.kv_dtype, self.device)
+                t = tallow.empty([shape[0], shape[2], shape[1], dim], self.kv_dtype, self.device)
                 return t.permute(0, 2, 1, 3)
-            return tallow.empty(shape, self.kv_dtype, self.device)
+            return tallow.empty(shape[:3] + [dim], self.kv_dtype, self.device)
+
+        def layer():
+            k = cache(k_dim)
+            return (k, k.narrow(3, 0, v_dim)) if v_in_k else (k, cache(v_dim))
 
         with self.on_stream():
-            self.kv_caches = [(cache(), cache()) for _ in range(cfg.num_hidden_layers)]
+            self.kv_caches = [layer() for _ in range(cfg.num_hidden_layers)]
 
     def on_stream(self):
         """A context in which the runner's stream is the thread's current one (no-op on the CPU)."""
@@ -293,10 +330,16 @@ class ModelRunner:
             timing = self._timing_events()
             logits, states, prompt_lp = self.forward_step(step)
             launched = None
-            if states:
+            if states and self.tp_rank > 0:  # rank 0 samples; its ids are the next step's inputs here too
+                ids = get_tp_group().broadcast(tallow.empty([len(states)], tallow.int32, self.device), src=0)
+                launched = _ReceivedIds(ids)
+                self.prev_ids.narrow(0, 0, ids.shape[0]).copy_(ids)
+            elif states:
                 bitmask = mask_fn() if mask_fn is not None else None
                 launched = self.sampler.launch(logits, states, self.eos_ids, bitmask)
                 ids = launched.ids
+                if self.tp_size > 1:
+                    get_tp_group().broadcast(ids, src=0)
                 self.prev_ids.narrow(0, 0, ids.shape[0]).copy_(ids)
             if timing is not None:
                 timing[1].record()

@@ -40,6 +40,8 @@ class WorkerConfig:
     overlap_depth: int = 1
     step_timing: bool = False
     num_threads: Optional[int] = None
+    tp_rank: int = 0  # this worker's rank and the tensor-parallel size (tallow/parallel)
+    tp_size: int = 1
 
 
 class Worker:
@@ -55,7 +57,8 @@ class Worker:
         # is built there (fusing, casting, dequantizing); dummy weights (load_format="dummy": random
         # values of the checkpoint's shapes) are made on the device.
         self.model = load_model(cfg, source, self.dtype, wc.device, load_format=wc.load_format, seed=wc.seed,
-                                max_positions=wc.max_positions, isq=wc.quantization)
+                                max_positions=wc.max_positions, isq=wc.quantization, tp_rank=wc.tp_rank,
+                                tp_size=wc.tp_size)
         from tallow.models import weight_memory_line
 
         log.info(weight_memory_line(self.model, wc.device))
@@ -65,7 +68,7 @@ class Worker:
 
     # -- KV cache ---------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        return ModelRunner.kv_bytes_per_block(self.cfg, self.wc.block_size, self.kv_dtype)
+        return ModelRunner.kv_bytes_per_block(self.cfg, self.wc.block_size, self.kv_dtype, self.wc.tp_size)
 
     def kv_budget_bytes(self, mem_mb: Optional[int], gpu_memory_fraction: float, graph_bs: int) -> int:
         """Bytes for the KV cache: mem_mb when given; on the CPU DEFAULT_CPU_KV_MB; on a GPU
