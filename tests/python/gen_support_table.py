@@ -19,8 +19,9 @@ def render() -> str:
     sys.path.insert(0, str(HERE / "models"))
     from test_model_zoo import FAMILY_CASES as DENSE_CASES, N_NEW
     from test_model_zoo_moe import MOE_CASES
+    from test_deepseek import DEEPSEEK_CASES
 
-    FAMILY_CASES = DENSE_CASES + MOE_CASES
+    FAMILY_CASES = DENSE_CASES + MOE_CASES + DEEPSEEK_CASES
 
     from tallow.models import registry, supported_families
 
@@ -64,6 +65,11 @@ def render() -> str:
         "MoE families (`tests/python/models/test_model_zoo_moe.py`) are also run with skewed routing (experts left",
         "empty, others overloaded). Their routing runs on the host (one router-logits copy per MoE layer",
         "and step) and experts run one at a time (no grouped GEMM).",
+        "",
+        "DeepSeek V2/V3 (`tests/python/models/test_deepseek.py`, same checks) run multi-head latent attention",
+        "over a paged cache of one latent row (kv_lora_rank + qk_rope_head_dim values) per token and layer:",
+        "decode in the absorbed form, prefill in the expanded form. llama.cpp's one `deepseek2` GGUF architecture",
+        "(V2 and V3, both kv_b layouts) loads as the deepseek_v2 family. Not yet with tensor parallelism.",
         "",
         "Known differences from transformers:",
         "",
