@@ -35,3 +35,15 @@ def rng(request) -> np.random.Generator:
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules whose reference models (transformers on CPU torch) are tiny: torch's thread pool only
+    costs time there (20x on a loaded 2-core box). Use with pytestmark = pytest.mark.usefixtures(...)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="transformers (with CPU torch) is the reference model")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers", reason="transformers is the reference model")
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF checkpoints")
 
@@ -74,13 +75,6 @@ DEEPSEEK_CASES = [
 ]
 CASES = {c.id: c for c in DEEPSEEK_CASES}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @dataclasses.dataclass

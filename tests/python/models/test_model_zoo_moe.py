@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="transformers (with CPU torch) is the reference model")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers", reason="transformers is the reference model")
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF checkpoints")
 
@@ -59,13 +60,6 @@ MOE_CASES = [
 CASES = {c.id: c for c in MOE_CASES}
 SKEW_C = np.array([5.0, 4.0, 0.3, 0.2, -0.2, -0.3, -4.0, -5.0])  # experts 2..5 starve, 0/1 and 6/7 overload
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _skew(model, seed: int):

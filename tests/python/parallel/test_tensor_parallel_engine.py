@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="transformers (with CPU torch) writes the checkpoints")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 transformers = pytest.importorskip("transformers", reason="transformers writes the checkpoints")
 
 from engine_models import write_word_tokenizer  # noqa: E402
@@ -74,13 +75,6 @@ def _generate(path, tp: int, prompts) -> list[list[int]]:
     finally:
         llm.engine.shutdown()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
