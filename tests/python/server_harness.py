@@ -6,6 +6,7 @@ import asyncio
 import json
 import pathlib
 import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -242,7 +243,9 @@ def make_tokenizer(tmp_path, template: str):
 class Scripted:
     """A scripted server plus a record of the texts the server encoded."""
 
-    def __init__(self, tmp_path, template=CHAT_TEMPLATE, **config):
+    def __init__(self, tmp_path, template=CHAT_TEMPLATE, structured_output: bool = False, **config):
+        """structured_output: the engine says it honours constraints (it only records them), so forced
+        tool calls get their grammar."""
         import openai
 
         self.tok = make_tokenizer(tmp_path, template)
@@ -255,6 +258,7 @@ class Scripted:
 
         self.tok.encode = encode
         self.engine = ScriptedEngine(self.tok)
+        self.engine.structured_output = structured_output
         config.setdefault("model_names", ["scripted"])
         self.srv = ServerThread(self.engine, **config)
         self.client = openai.OpenAI(base_url=self.srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
@@ -295,3 +299,33 @@ def disconnect_mid_stream(server, path: str, body: dict, after_events: int) -> N
     assert server.in_engine(lambda e: e.stats["generation_tokens"]) - before < 200  # aborted long before its end
     free, total = server.pool_state()
     assert free == total
+
+
+def kill_mid_stream(url: str, pid: int, timeout: float = 30) -> None:
+    """Start a 1000-token completion stream at url, SIGKILL process pid once 3 chunks have come, and check
+    that the stream ends at once with an error event instead of hanging or running to its end."""
+    import os
+    import signal
+
+    import requests
+
+    got, ends = [], []
+
+    def stream():
+        with requests.post(url + "/v1/completions", json={"prompt": "t5", "max_tokens": 1000, "ignore_eos": True,
+                                                          "stream": True}, stream=True, timeout=30) as resp:
+            for line in resp.iter_lines():
+                if line.startswith(b"data: {"):
+                    got.append(line)
+        ends.append(got[-1] if got else None)
+
+    th = threading.Thread(target=stream)
+    th.start()
+    t = time.monotonic()
+    while len(got) < 3:
+        assert time.monotonic() - t < timeout, "the stream did not start"
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    th.join(timeout)
+    assert not th.is_alive(), "the in-flight stream hung"
+    assert len(got) < 1000 and b'"error"' in ends[0], ends  # it ended with an error event, not 1000 tokens

@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from server_harness import write_tiny_llama
+from server_harness import kill_mid_stream, write_tiny_llama
 from tallow import LLM, SamplingParams
 from tallow.engine.errors import EngineDeadError
 
@@ -97,26 +96,7 @@ def test_killed_worker_ends_the_server(model_dir):
             time.sleep(0.1)
         (core,) = [p for p in _children(srv.pid) if not _is_tracker(p)]
         (worker,) = [p for p in _children(core) if not _is_tracker(p)]
-        got, ends = [], []
-
-        def stream():
-            with requests.post(url + "/v1/completions", json={"prompt": "t5", "max_tokens": 1000, "ignore_eos": True,
-                                                              "stream": True}, stream=True, timeout=30) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith(b"data: {"):
-                        got.append(line)
-            ends.append(got[-1] if got else None)
-
-        th = threading.Thread(target=stream)
-        th.start()
-        t = time.monotonic()
-        while len(got) < 3:
-            assert time.monotonic() - t < 30
-            time.sleep(0.01)
-        os.kill(worker, signal.SIGKILL)
-        th.join(30)
-        assert not th.is_alive(), "the in-flight stream hung"
-        assert len(got) < 1000 and b'"error"' in ends[0], ends
+        kill_mid_stream(url, worker)
         rc = srv.wait(30)
         assert rc == 1
         for pid in (core, worker):

@@ -11,8 +11,7 @@ openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
 requests = pytest.importorskip("requests")
 
-from server_harness import (CHAT_TEMPLATE, Scripted, ServerThread, disconnect_mid_stream, pieces,  # noqa: E402
-                            write_tiny_llama)
+from server_harness import CHAT_TEMPLATE, ServerThread, disconnect_mid_stream, pieces, write_tiny_llama  # noqa: E402
 from tallow.engine.args import EngineArgs  # noqa: E402
 from tallow.engine.engine import LLMEngine  # noqa: E402
 
@@ -277,25 +276,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Current wea
 RAMBLE = ["\n\nThe", " weather", " is", " {nice}", "."] * 4
 
 
-@pytest.fixture
-def scripted(tmp_path):
-    servers = []
-
-    def make(**kw):
-        s = Scripted(tmp_path / str(len(servers)), **kw)
-        s.engine.structured_output = True  # it records the parameters: forced calls get their grammar
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        if s.srv.engine.is_running:
-            s.srv.wait_idle()
-        s.srv.stop()
-
-
 def test_named_function_round_trip(scripted):
-    s = scripted(tool_parser="json")
+    s = scripted(structured_output=True, tool_parser="json")
     call = pieces('get_weather", "arguments": {"city": "Paris"}}')
     s.script(call + RAMBLE, "It is t5 sunny.")
     r = s.client.responses.create(model="scripted", input="t5 t6", tools=TOOLS,
@@ -322,7 +304,7 @@ def test_named_function_round_trip(scripted):
 
 
 def test_function_call_history_in_the_input_renders_like_chat(scripted):
-    s = scripted(tool_parser="json")
+    s = scripted(structured_output=True, tool_parser="json")
     s.script("done", "done")
     items = [{"role": "user", "content": "t5 t6"},
              {"type": "function_call", "call_id": "call_1", "name": "search", "arguments": '{"query": "q"}'},
@@ -339,7 +321,7 @@ def test_function_call_history_in_the_input_renders_like_chat(scripted):
 
 
 def test_required_streams_function_call_events(scripted):
-    s = scripted(tool_parser="hermes")
+    s = scripted(structured_output=True, tool_parser="hermes")
     text = 'search", "arguments": {"query": "umbrella"}}\n</tool_call>'
     s.script(pieces(text) + RAMBLE, pieces(text) + RAMBLE)
     whole = s.client.responses.create(model="scripted", input="t5", tools=TOOLS, tool_choice="required",
@@ -365,7 +347,7 @@ def test_required_streams_function_call_events(scripted):
 def test_a_forced_call_cut_off_is_text_or_an_incomplete_call(scripted):
     """The demo model rambles inside a forced call's arguments until max_output_tokens: the whole reply is then
     the message text, as the chat endpoint answers it; a stream has sent the call already and closes it incomplete."""
-    s = scripted(tool_parser="json")
+    s = scripted(structured_output=True, tool_parser="json")
     cut = pieces('get_weather", "arguments": {"city": "Paris", "note": "it rains a lot and')
     s.script(cut, cut)
     kw = dict(model="scripted", input="t5", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"},
@@ -383,7 +365,7 @@ def test_a_forced_call_cut_off_is_text_or_an_incomplete_call(scripted):
 
 
 def test_auto_tools_give_a_message_then_calls(scripted):
-    s = scripted(tool_parser="hermes")
+    s = scripted(structured_output=True, tool_parser="hermes")
     out = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
            '<tool_call>\n{"name": "search", "arguments": {"query": "umbrella"}}\n</tool_call>')
     s.script(out, out)
@@ -404,7 +386,7 @@ THINK_TEMPLATE = CHAT_TEMPLATE + "{# models of this family wrap reasoning in <th
 
 
 def test_reasoning_is_its_own_output_item(scripted):
-    s = scripted(template=THINK_TEMPLATE)
+    s = scripted(structured_output=True, template=THINK_TEMPLATE)
     out = ["<think>", "\nThe user", " greets me.", "\n</think>", "\n\n", "Hello", " there!"]
     s.script(out, out)
     r = s.client.responses.create(model="scripted", input="t5", reasoning={"effort": "low"})
@@ -420,7 +402,7 @@ def test_reasoning_is_its_own_output_item(scripted):
 
 
 def test_a_failed_step_is_an_error_event_and_a_500(scripted):
-    s = scripted()
+    s = scripted(structured_output=True)
     s.engine.fail_next_step = True
     r = requests.post(s.srv.base_url + "/v1/responses", json={"input": "t5"})
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
@@ -433,7 +415,7 @@ def test_a_failed_step_is_an_error_event_and_a_500(scripted):
 
 
 def test_text_format_becomes_the_chat_paths_response_format(scripted):
-    s = scripted()
+    s = scripted(structured_output=True)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     s.script('{"a": 1}', '{"a": 2}')
     fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}

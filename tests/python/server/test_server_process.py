@@ -17,7 +17,7 @@ pytest.importorskip("zmq")
 requests = pytest.importorskip("requests")
 openai = pytest.importorskip("openai")
 
-from server_harness import write_tiny_llama  # noqa: E402
+from server_harness import kill_mid_stream, write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -155,26 +155,7 @@ def test_a_dying_engine_core_ends_the_server(model_dir):
         if b"resource_tracker" not in cmd:
             core = pid
     assert core is not None
-    got, ends = [], []
-
-    def stream():
-        with requests.post(srv.url + "/v1/completions", json={"prompt": "t5", "max_tokens": 1000, "ignore_eos": True,
-                                                              "stream": True}, stream=True, timeout=30) as resp:
-            for line in resp.iter_lines():
-                if line.startswith(b"data: {"):
-                    got.append(line)
-        ends.append(got[-1] if got else None)
-
-    th = threading.Thread(target=stream)
-    th.start()
-    t = time.monotonic()
-    while len(got) < 3:
-        assert time.monotonic() - t < 10
-        time.sleep(0.01)
-    os.kill(core, signal.SIGKILL)
-    th.join(20)
-    assert not th.is_alive(), "the in-flight stream hung"
-    assert len(got) < 1000 and b'"error"' in ends[0], ends  # it ended with an error event, not 1000 tokens
+    kill_mid_stream(srv.url, core, timeout=20)
     try:
         rc = srv.p.wait(20)
     except subprocess.TimeoutExpired:

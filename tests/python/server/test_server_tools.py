@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
-from server_harness import CHAT_TEMPLATE, Scripted, pieces  # noqa: E402
+from server_harness import CHAT_TEMPLATE, pieces  # noqa: E402
 from tallow.server.keys import STATE  # noqa: E402
 
 TOOLS = [
@@ -24,22 +24,6 @@ TOOLS = [
                                                                        "properties": {"query": {"type": "string"}}}}},
 ]
 MSGS = [{"role": "user", "content": "t5 t6"}]
-
-
-@pytest.fixture
-def scripted(tmp_path):
-    servers = []
-
-    def make(**kw):
-        s = Scripted(tmp_path / str(len(servers)), **kw)
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        if s.srv.engine.is_running:
-            s.srv.wait_idle()
-        s.stop()
 
 
 def stream_tool_calls(chunks, choice: int = 0):
