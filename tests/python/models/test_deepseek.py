@@ -15,7 +15,6 @@ bytes than ordinary K/V), and prefix-cache hits plus chunked prefill giving the 
 """
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -26,7 +25,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is the r
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF checkpoints")
 
 import test_model_zoo as zoo  # noqa: E402
-from engine_models import write_word_tokenizer  # noqa: E402
 from test_model_zoo import VOCAB, Case, check, hf_first_logits, hf_greedy, run_tallow  # noqa: E402
 from test_model_zoo_moe import _stack_experts  # noqa: E402
 
@@ -77,20 +75,10 @@ CASES = {c.id: c for c in DEEPSEEK_CASES}
 
 
 
-@dataclasses.dataclass
-class Ref:
-    case: Case
-    path: object
-    model: object
-    prompts: list
-    tokens: list
-    logits: list
+_REFS: dict[str, zoo.Ref] = {}
 
 
-_REFS: dict[str, Ref] = {}
-
-
-def _build(case: Case, tmp_path_factory) -> Ref:
+def _build(case: Case, tmp_path_factory) -> zoo.Ref:
     if case.id in _REFS:
         return _REFS[case.id]
     torch.manual_seed(0)
@@ -103,13 +91,7 @@ def _build(case: Case, tmp_path_factory) -> Ref:
             bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
             if bias is not None:  # a buffer, zeros in transformers' init: make it change the choice
                 bias.copy_(torch.randn(bias.shape, generator=g) * 0.2)
-    path = tmp_path_factory.mktemp(case.id)
-    model.save_pretrained(path, safe_serialization=True)
-    write_word_tokenizer(path, VOCAB, eos_id=1)
-    rng = np.random.default_rng(1234)
-    prompts = [rng.integers(3, VOCAB, n).tolist() for n in case.prompt_lens]
-    _REFS[case.id] = Ref(case, path, model, prompts, [hf_greedy(model, p) for p in prompts],
-                         [hf_first_logits(model, p) for p in prompts])
+    _REFS[case.id] = zoo.reference(case, model, tmp_path_factory)
     return _REFS[case.id]
 
 
@@ -241,7 +223,7 @@ def test_prefix_cache_and_chunked_prefill(tmp_path_factory):
 
 
 # -- GGUF ----------------------------------------------------------------------------------------------
-def _write_gguf(ref: Ref, path, quantize: bool = False) -> None:
+def _write_gguf(ref: zoo.Ref, path, quantize: bool = False) -> None:
     """The checkpoint as convert_hf_to_gguf writes DeepseekV2Model: V3 (and any MLA-layout file) with
     head_count_kv 1, key/value_length_mla and kv_b_proj split into k_b (transposed per head) and v_b; V2-Lite
     here in the older layout (one attn_kv_b, per-head key/value lengths)."""
@@ -336,7 +318,7 @@ def _q8_roundtrip(a: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(a), q8), q8)
 
 
-def _dequantized_reference(ref: Ref) -> object:
+def _dequantized_reference(ref: zoo.Ref) -> object:
     """transformers on the weights _write_gguf(quantize=True) stores in Q8_0, dequantized: every matrix with
     32-multiple rows; for V3 (kv_b_proj written split) its v rows (v_b) but not its k rows (k_b's rows are
     nope = 16 wide)."""

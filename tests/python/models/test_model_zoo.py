@@ -194,6 +194,18 @@ class Ref:
 _REFS: dict[str, Ref] = {}
 
 
+def reference(case, model, tmp_path_factory) -> Ref:
+    """Save a random-weight transformers model with a word tokenizer and record, for the case's prompts
+    (random ids, seed 1234), its greedy tokens and first-step logits: what tallow is held to."""
+    path = tmp_path_factory.mktemp(case.id)
+    model.save_pretrained(path, safe_serialization=True)
+    write_word_tokenizer(path, VOCAB, eos_id=1)
+    rng = np.random.default_rng(1234)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in case.prompt_lens]
+    return Ref(case, path, model, prompts, [hf_greedy(model, p) for p in prompts],
+               [hf_first_logits(model, p) for p in prompts])
+
+
 @pytest.fixture
 def ref(request, tmp_path_factory):
     case = CASES[request.param]
@@ -201,13 +213,7 @@ def ref(request, tmp_path_factory):
         torch.manual_seed(0)
         model = getattr(transformers, case.hf_class)(_config(case)).float().eval()
         _randomise(model, 0)
-        path = tmp_path_factory.mktemp(case.id)
-        model.save_pretrained(path, safe_serialization=True)
-        write_word_tokenizer(path, VOCAB, eos_id=1)
-        rng = np.random.default_rng(1234)
-        prompts = [rng.integers(3, VOCAB, n).tolist() for n in case.prompt_lens]
-        _REFS[case.id] = Ref(case, path, model, prompts, [hf_greedy(model, p) for p in prompts],
-                             [hf_first_logits(model, p) for p in prompts])
+        _REFS[case.id] = reference(case, model, tmp_path_factory)
     return _REFS[case.id]
 
 

@@ -23,8 +23,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the r
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF checkpoints")
 
 import test_model_zoo as zoo  # noqa: E402
-from engine_models import write_word_tokenizer  # noqa: E402
-from test_model_zoo import COMMON, VOCAB, Case, check, hf_first_logits, hf_greedy, run_tallow  # noqa: E402
+from test_model_zoo import COMMON, Case, check, hf_first_logits, hf_greedy, run_tallow  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -74,17 +73,7 @@ def _skew(model, seed: int):
             gate.weight.copy_(torch.tensor(SKEW_C, dtype=torch.float32)[:, None] * u[None, :] + noise)
 
 
-@dataclasses.dataclass
-class Ref:
-    case: MoeCase
-    path: object
-    model: object
-    prompts: list
-    tokens: list
-    logits: list
-
-
-_REFS: dict[str, Ref] = {}
+_REFS: dict[str, zoo.Ref] = {}
 
 
 @pytest.fixture
@@ -97,13 +86,7 @@ def ref(request, tmp_path_factory):
         zoo._randomise(model, 0)
         if case.skew:
             _skew(model, 0)
-        path = tmp_path_factory.mktemp(case.id)
-        model.save_pretrained(path, safe_serialization=True)
-        write_word_tokenizer(path, VOCAB, eos_id=1)
-        rng = np.random.default_rng(1234)
-        prompts = [rng.integers(3, VOCAB, n).tolist() for n in case.prompt_lens]
-        _REFS[case.id] = Ref(case, path, model, prompts, [hf_greedy(model, p) for p in prompts],
-                             [hf_first_logits(model, p) for p in prompts])
+        _REFS[case.id] = zoo.reference(case, model, tmp_path_factory)
     return _REFS[case.id]
 
 
@@ -130,7 +113,7 @@ def test_skewed_routing_starves_and_overloads_experts(ref):
     sparse block leaves the middle experts (nearly) empty and puts most assignments on the outer ones."""
     _, _, llm = run_tallow(str(ref.path), ref.prompts[-1:], n_new=1)
     t = len(ref.prompts[-1])
-    from tallow import from_numpy, ops
+    from tallow import from_numpy
     from tallow.layers.moe import route
 
     rng = np.random.default_rng(0)
