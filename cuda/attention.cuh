@@ -5,7 +5,7 @@
 
 namespace tallow::cuda {
 
-constexpr int kAttnMaxHeadDim = 512;  // per-lane registers hold D/32 (and Dv/32) values
+constexpr int kAttnMaxHeadDim = 576;  // per-lane registers hold D/32 (and Dv/32) values; 576: DeepSeek MLA decode (512 + 64)
 
 struct AttnOperand {
   const void* base;
