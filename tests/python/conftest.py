@@ -47,3 +47,24 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    """scripted(**config) -> a server on a scripted engine (server_harness.Scripted); every one made is
+    stopped afterwards. (Here, not in server/conftest.py: a second conftest module would shadow this one
+    for the tests that import data_dir from it.)"""
+    from server_harness import Scripted
+
+    servers = []
+
+    def make(**kw):
+        s = Scripted(tmp_path / str(len(servers)), **kw)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        if s.srv.engine.is_running:
+            s.srv.wait_idle()
+        s.stop()
