@@ -44,7 +44,7 @@ def main() -> None:
 
     from tallow import LLM, SamplingParams
     from tallow.engine.structured_output import StructuredOutputsParams as SO
-    from test_structured_output import PROMPTS, SCHEMAS
+    from test_structured_output import JSON_BUDGET, PROMPTS, SCHEMAS
 
     kw = {"device": a.device} if a.device else {}
     llm = LLM(a.model, max_num_seqs=max(64, a.batch), **kw)
@@ -52,7 +52,7 @@ def main() -> None:
     def schema(s: dict) -> dict:
         return {**s, "x-guidance": {"whitespace_flexible": False}} if a.compact else s
 
-    params = [SamplingParams(temperature=1.0, max_tokens=200, seed=secrets.randbits(32),
+    params = [SamplingParams(temperature=1.0, max_tokens=JSON_BUDGET, seed=secrets.randbits(32),
                              structured_outputs=SO(json=schema(SCHEMAS[k % len(SCHEMAS)]))) for k in range(a.num)]
     t0 = time.perf_counter()
     outs = llm.generate([PROMPTS[k % len(PROMPTS)] for k in range(a.num)], params, use_tqdm=False)
