@@ -490,7 +490,7 @@ def test_demo_chat_structured_output_and_tool_history(demo):
     schema = WEATHER[0]["parameters"]
     for _ in range(3):
         r = demo.chat.completions.create(model="demo", messages=[{"role": "user", "content": "A city as JSON."}],
-                                         temperature=1.0, max_tokens=60, response_format={
+                                         temperature=1.0, max_tokens=400, response_format={
                                              "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
@@ -499,7 +499,7 @@ def test_demo_chat_structured_output_and_tool_history(demo):
         assert r.choices[0].message.content in ("yes", "no")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
     r = demo.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                     tools=tools, tool_choice="required", temperature=1.0, max_tokens=60)
+                                     tools=tools, tool_choice="required", temperature=1.0, max_tokens=400)
     [call] = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), schema)
     history = [{"role": "user", "content": "Weather in Oslo?"},
