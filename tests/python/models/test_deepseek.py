@@ -272,12 +272,7 @@ def _write_gguf(ref: zoo.Ref, path, quantize: bool = False) -> None:
         w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
     w.add_file_type(7 if quantize else 0)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_types([1] * VOCAB)
-    w.add_eos_token_id(1)
-    w.add_add_bos_token(False)
+    zoo.add_word_vocab(w)
 
     sd = {k: v for k, v in zoo._state_dict(ref.path).items()}
     sd = _stack_experts(sd, n_layer, c.n_routed_experts)

@@ -206,6 +206,17 @@ def reference(case, model, tmp_path_factory) -> Ref:
                [hf_first_logits(model, p) for p in prompts])
 
 
+def add_word_vocab(w) -> None:
+    """The test checkpoints' WordLevel vocabulary (t0 t1 ...) as SentencePiece-style GGUF pieces (prompts
+    are token ids)."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_types([1] * VOCAB)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(False)
+
+
 @pytest.fixture
 def ref(request, tmp_path_factory):
     case = CASES[request.param]
@@ -355,13 +366,7 @@ def write_gguf(case: Case, hf_cfg, sd: dict[str, np.ndarray], path, quantize: bo
         if rp_full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rp_full["factor"])
-    # tokenizer: the WordLevel vocabulary as SentencePiece-style pieces (prompts are token ids)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_types([1] * VOCAB)
-    w.add_eos_token_id(1)
-    w.add_add_bos_token(False)
+    add_word_vocab(w)
 
     sd = dict(sd)
     for i in range(n_layer):  # stablelm: per-head norms are stacked
