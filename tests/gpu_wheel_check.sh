@@ -106,7 +106,13 @@ run_clean() {
 }
 new_venv() {
   "$PY" -m venv --system-site-packages "$1"
-  "$1/bin/python" -m pip install -q --no-deps --no-index "$WHEEL"
+  # When $PY is itself a venv's (numpy, pytest and the nvidia wheels in its site-packages), the new venv
+  # sees only the base interpreter's; a .pth file adds $PY's site-packages after the venv's own.
+  local outer inner
+  outer=$(env -u PYTHONPATH "$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  inner=$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  [ "$outer" = "$inner" ] || echo "$outer" >"$inner/outer-site-packages.pth"
+  "$1/bin/python" -m pip install -q --no-deps --no-index --ignore-installed "$WHEEL"
 }
 
 rc=0

@@ -14,11 +14,14 @@ its matcher before it is scheduled. The API process compiles each grammar once a
 tokenizer first, so a bad schema or regex is a 400 before anything is queued."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
 import logging
 import re
+import threading
+import time
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -29,6 +32,7 @@ log = logging.getLogger("tallow.engine")
 # fill its whole budget with blanks inside an object (llguidance's default is unbounded).
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
 COMPILE_THREADS = 2
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
 
 
 @dataclasses.dataclass
@@ -182,37 +186,74 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids) -> Any:
     return cache[key]
 
 
-def compile_matcher(tokenizer, vocab_size: int, eos_ids, so: StructuredOutputsParams):
-    """A fresh LLMatcher for so; ValueError naming the problem when the grammar is invalid."""
-    import llguidance as llg
-
-    grammar = so.llguidance_grammar()
-    m = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
-    if m.is_error():
-        raise ValueError(f"invalid {so.kinds()[0]} constraint: {_first_line(m.get_error())}")
-    return m
-
-
 def _first_line(msg: str) -> str:
     return (msg.strip().splitlines() or [""])[0][:500]
 
 
-# -- the engine core's side ---------------------------------------------------------------------------
-class GrammarSet:
-    """The matchers of the core's constrained requests: compiled in threads, masks filled in parallel by
-    llguidance's executor (GIL released), advanced by each sampled token."""
+class CompiledGrammars:
+    """Compiled grammars by their llguidance text, in threads; the least recently used are dropped past
+    GRAMMAR_CACHE_SIZE. A constraint sent again (agents send the same schema with every call) costs a
+    copy of a pristine matcher, not a compile; copies also start with the lexer states its first
+    compile built. Invalid grammars are kept too: the same ValueError again, at once."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
-        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, set(eos_ids)
-        self.words = (vocab_size + 31) // 32
-        self.matchers: dict[str, Any] = {}
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(set(eos_ids))
+        self._templates: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._lock = threading.Lock()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def matcher(self, so: StructuredOutputsParams) -> concurrent.futures.Future:
+        """A future of a fresh LLMatcher for so (ValueError when the grammar is invalid)."""
+        key = so.llguidance_grammar()
+        with self._lock:
+            template = self._templates.get(key)
+            if template is None:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                                       thread_name_prefix="tallow-grammar")
+                template = self._templates[key] = self._pool.submit(self._compile, key, so.kinds()[0])
+                while len(self._templates) > GRAMMAR_CACHE_SIZE:
+                    self._templates.popitem(last=False)
+            else:
+                self._templates.move_to_end(key)
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def copy(done: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(done.result().deep_copy())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                out.set_exception(e)
+        template.add_done_callback(copy)
+        return out
+
+    def _compile(self, grammar: str, kind: str):
+        import llguidance as llg
+
+        m = llg.LLMatcher(ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids), grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid {kind} constraint: {_first_line(m.get_error())}")
+        return m
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- the engine core's side ---------------------------------------------------------------------------
+class GrammarSet:
+    """The matchers of the core's constrained requests: compiled in threads (CompiledGrammars), masks
+    filled in parallel by llguidance's executor (GIL released), advanced by each sampled token."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        self.eos_ids = set(eos_ids)
+        self.words = (vocab_size + 31) // 32
+        self.compiled = CompiledGrammars(tokenizer, vocab_size, eos_ids)
+        self.matchers: dict[str, Any] = {}
+        self.mask_s = self.consume_s = 0.0  # host seconds spent filling masks and advancing matchers
         self._executor = None
 
     def compile(self, so: StructuredOutputsParams) -> concurrent.futures.Future:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tallow-grammar")
-        return self._pool.submit(compile_matcher, self.tokenizer, self.vocab_size, self.eos_ids, so)
+        return self.compiled.matcher(so)
 
     def add(self, req_id: str, matcher) -> None:
         self.matchers[req_id] = matcher
@@ -228,9 +269,13 @@ class GrammarSet:
         m = self.matchers.get(req_id)
         if m is None:
             return None
-        if not m.consume_token(int(token)) or m.is_error():
-            return _first_line(m.get_error()) or f"token {token} does not satisfy the grammar"
-        return "stop" if m.is_stopped() and int(token) in self.eos_ids else None
+        t0 = time.perf_counter()
+        try:
+            if not m.consume_token(int(token)) or m.is_error():
+                return _first_line(m.get_error()) or f"token {token} does not satisfy the grammar"
+            return "stop" if m.is_stopped() and int(token) in self.eos_ids else None
+        finally:
+            self.consume_s += time.perf_counter() - t0
 
     def bitmask(self, req_ids: list[str]) -> Optional[np.ndarray]:
         """[len(req_ids), words] int32: each constrained request's next-token mask, -1 rows for the
@@ -242,10 +287,11 @@ class GrammarSet:
 
         if self._executor is None:
             self._executor = llg.LLExecutor()
+        t0 = time.perf_counter()
         mask = np.full((len(req_ids), self.words), -1, dtype=np.int32)
         self._executor.unsafe_compute_mask_ptr(rows, mask.ctypes.data, self.words * 4, len(req_ids))
+        self.mask_s += time.perf_counter() - t0
         return mask
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.compiled.shutdown()

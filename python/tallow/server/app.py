@@ -17,6 +17,7 @@ from typing import Any, Optional
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from tallow.engine.structured_output import CompiledGrammars
 from tallow.server import protocol as P
 from tallow.server import responses, serving
 from tallow.server.errors import APIError, bad_request, internal_error
@@ -82,6 +83,8 @@ class ServerState:
         self.max_model_len = int(getattr(llm, "max_model_len", 0) or getattr(cfg, "max_position_embeddings", 0)
                                  or 2**31)
         self.vocab_size = int(getattr(cfg, "vocab_size", 0) or self.tokenizer.vocab_size)
+        # output constraints are compiled here first, so a bad one is a 400 before the engine sees it
+        self.grammars = CompiledGrammars(self.tokenizer, self.vocab_size, getattr(self.tokenizer, "eos_token_ids", ()))
         self.hidden_size = int(getattr(cfg, "hidden_size", 0) or 0)
         self.family = getattr(cfg, "family", None)
         self.chat_template = getattr(self.tokenizer, "chat_template", None)

@@ -19,7 +19,7 @@ import numpy as np
 from aiohttp import web
 
 from tallow.engine.async_engine import EngineDeadError, EngineStepError
-from tallow.engine.structured_output import StructuredOutputsParams, compile_matcher
+from tallow.engine.structured_output import StructuredOutputsParams
 from tallow.server import limits as L
 from tallow.server import protocol as P
 from tallow.server.errors import APIError, bad_request
@@ -75,8 +75,7 @@ async def _add(st, prompt: dict, params, request_id: str, seats: L.Seats):
     An output constraint is compiled against the tokenizer first (in a thread): a bad one is a 400."""
     try:
         if params.structured_outputs is not None:
-            await asyncio.to_thread(compile_matcher, st.tokenizer, st.vocab_size, st.tokenizer.eos_token_ids,
-                                    params.structured_outputs)
+            await asyncio.wrap_future(st.grammars.matcher(params.structured_outputs))
         return await st.engine.add_request(prompt, params, request_id)
     except BaseException as e:
         seats.release()

@@ -100,6 +100,38 @@ def test_token_bytes_of_a_sentencepiece_vocabulary(shared_data):
     assert b"".join(pieces[i] for i in ids).lstrip(b" ") == text.encode()
 
 
+def test_compiled_grammars_are_cached_copies(shared_data, monkeypatch):
+    """The same constraint twice compiles once and gives independent matchers; an invalid one is the same
+    ValueError each time; past the cache's size the least recently used is compiled again."""
+    from tallow.engine import structured_output as so_mod
+    from tallow.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(shared_data / "stories260K" / "stories260K.gguf")
+    cache = so_mod.CompiledGrammars(tok, len(tok), [tok.eos_token_id])
+    compiles = []
+    real = cache._compile
+    monkeypatch.setattr(cache, "_compile", lambda g, k: compiles.append(g) or real(g, k))
+    pieces, _ = token_bytes(tok, len(tok))
+
+    def ids(text: str) -> list[int]:  # one token a character (the byte pieces)
+        return [pieces.index(bytes([c])) for c in text.encode()]
+    a = cache.matcher(SO(regex=r"ab+c")).result()
+    b = cache.matcher(SO(regex=r"ab+c")).result()
+    assert len(compiles) == 1 and a is not b
+    assert a.consume_tokens(ids("abbb"))
+    assert b.validate_tokens(ids("ac")) == 1 and b.validate_tokens(ids("abc")) == 3  # b is where it began
+    assert a.validate_tokens(ids("c")) == 1 and a.validate_tokens(ids("a")) == 0  # a moved on alone
+    for _ in range(2):
+        with pytest.raises(ValueError, match="invalid regex constraint"):
+            cache.matcher(SO(regex=r"a(b")).result()
+    assert len(compiles) == 2
+    monkeypatch.setattr(so_mod, "GRAMMAR_CACHE_SIZE", 2)
+    cache.matcher(SO(regex=r"x+")).result()  # evicts ab+c, the least recently used
+    cache.matcher(SO(regex=r"ab+c")).result()
+    assert compiles[-1] == SO(regex=r"ab+c").llguidance_grammar() and len(compiles) == 4
+    cache.shutdown()
+
+
 # Enough tokens for any output of these schemas: strings and numbers are bounded, and so is the whitespace
 # between JSON tokens (JSON_WHITESPACE, <= 24 characters a gap, ~12 gaps): at temperature 1 the demo model
 # sometimes fills gaps with blanks, and a 200-token budget then cut 1 of 200 outputs short.
