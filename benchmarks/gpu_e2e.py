@@ -158,6 +158,8 @@ def make_llm(model_dir: str, args, **extra):
               kv_cache_dtype=args.kv_cache_dtype)
     if args.isq:
         kw["quantization"] = args.isq
+    if args.tp > 1:
+        kw["tensor_parallel_size"] = args.tp
     kw.update(extra)
     t0 = time.perf_counter()
     llm = tallow.LLM(model=model_dir, **kw)
@@ -270,7 +272,7 @@ def run_decode8b(llm, args, rng, bw: float) -> list[dict]:
     avg_ctx = statistics.mean(prompt_len + j for j in range(1, gen))  # KV read by the steps that make tokens 2..gen
     w_bytes = decode_weight_bytes(LLAMA3_8B, llm)
     kv_bytes = kv_bytes_per_token(LLAMA3_8B, args.kv_cache_dtype) * avg_ctx
-    bound = bw / (w_bytes + kv_bytes)
+    bound = args.tp * bw / (w_bytes + kv_bytes)  # tensor parallelism: each GPU reads its share
     return [
         measurement(args, "decode8b", f"llama3_8b_{args.isq or 'bf16'}_decode_b1_p{prompt_len}_g{gen}_tok_s", tok_s,
                     "tok/s", bound,
@@ -389,11 +391,15 @@ def variant_suffix(args) -> str:
         s += "_eager"
     if args.no_detokenize:
         s += "_nodetok"
+    if args.tp > 1:
+        s += f"_tp{args.tp}"
     return s
 
 
 def reproduce_command(args, target: str) -> str:
     cmd = ["python", "benchmarks/gpu_e2e.py", "--target", target]
+    if args.tp > 1:
+        cmd += ["--tp", str(args.tp)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.kv_cache_dtype != "auto":
@@ -467,6 +473,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16) or fp8")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: the first N GPUs from --device's on (ceilings scale by N)")
     p.add_argument("--isq", default=None, help="quantize the dummy weights at load (e.g. q4k, q8_0), as --isq does")
     p.add_argument("--json", default=None, help="results file (default benchmarks/results/e2e_<device>.json)")
     p.add_argument("--prediction", action="append", default=[], metavar="NAME=VALUE",

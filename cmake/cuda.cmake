@@ -101,7 +101,8 @@ function(tallow_add_cuda_sources target)
                                                POSITION_INDEPENDENT_CODE ON)
   target_include_directories(tallow_cuda PUBLIC ${PROJECT_SOURCE_DIR}/cpp ${PROJECT_SOURCE_DIR}/cuda)
   target_compile_definitions(tallow_cuda PUBLIC ${TALLOW_CORE_DEFINITIONS})
-  target_link_libraries(tallow_cuda PUBLIC CUDA::cudart_static tallow_cublas tallow_cublasLt)
+  # ${CMAKE_DL_LIBS}: dlopen of libnccl (cuda/nccl.cpp) on a glibc older than 2.34
+  target_link_libraries(tallow_cuda PUBLIC CUDA::cudart_static tallow_cublas tallow_cublasLt ${CMAKE_DL_LIBS})
   target_compile_options(tallow_cuda PRIVATE
     $<$<COMPILE_LANGUAGE:CUDA>:-O3 --expt-relaxed-constexpr -lineinfo -Xcompiler=-Wall>
     $<$<COMPILE_LANGUAGE:CXX>:-O2 -Wall -Wextra -Wno-unused-parameter>)

@@ -19,21 +19,22 @@ __global__ void check_ids_kernel(const void* ids, bool i32, int64_t n, int64_t V
 }
 
 template <class S, class O>
-__global__ void gather_kernel(const void* ids, bool i32, const S* __restrict__ table, int64_t s0, int64_t s1, int64_t V,
-                              int64_t D, O* __restrict__ out, int64_t n) {
+__global__ void gather_kernel(const void* ids, bool i32, int64_t start, const S* __restrict__ table, int64_t s0,
+                              int64_t s1, int64_t V, int64_t D, O* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / D, c = i % D;
-    const int64_t id = load_id(ids, i32, r);
+    const int64_t id = load_id(ids, i32, r) - start;
     out[i] = (id < 0 || id >= V) ? from_float<O>(0.f) : from_float<O>(to_float(table[id * s0 + c * s1]));
   }
 }
 
 template <DType kT, class O>
-__global__ void gather_block_kernel(const void* ids, bool i32, const uint8_t* __restrict__ table, int64_t row_bytes,
-                                    int bs, int ts, int64_t V, int64_t D, O* __restrict__ out, int64_t n) {
+__global__ void gather_block_kernel(const void* ids, bool i32, int64_t start, const uint8_t* __restrict__ table,
+                                    int64_t row_bytes, int bs, int ts, int64_t V, int64_t D, O* __restrict__ out,
+                                    int64_t n) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / D, c = i % D;
-    const int64_t id = load_id(ids, i32, r);
+    const int64_t id = load_id(ids, i32, r) - start;
     out[i] = (id < 0 || id >= V) ? from_float<O>(0.f)
                                  : from_float<O>(deq::element<kT>(table + id * row_bytes + (c / bs) * ts, (int)(c % bs)));
   }
@@ -51,7 +52,8 @@ void dispatch_float(const char* op, DType dt, F&& f) {
 
 }  // namespace
 
-Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType> out_dtype) {
+Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType> out_dtype,
+                 std::optional<int64_t> vocab_start) {
   const char* op = "embedding";
   const DType tdt = table.dtype();
   const bool block = is_block_dtype(tdt);
@@ -64,7 +66,8 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
   Shape oshape = ids.shape();
   oshape.push_back(D);
   Tensor out = Tensor::empty(oshape, odt, table.device());
-  if (nids > 0 && index_checks() && !is_capturing(ctx.stream)) {
+  const int64_t start = vocab_start.value_or(0);  // a vocabulary slice: ids outside it give zero rows
+  if (!vocab_start && nids > 0 && index_checks() && !is_capturing(ctx.stream)) {
     DeviceFlag flag(table, ctx.stream);
     check_ids_kernel<<<grid_for(nids, 256), 256, 0, ctx.stream>>>(ids.data_ptr(), i32, nids, V, flag.ptr());
     TALLOW_CUDA_CHECK_LAUNCH(op);
@@ -83,8 +86,8 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
       switch (tdt) {
 #define TALLOW_EMB_CASE(T)                                                                                        \
   case DType::T:                                                                                                  \
-    gather_block_kernel<DType::T, O><<<blocks, 256, 0, ctx.stream>>>(ids.data_ptr(), i32, tb, row_bytes, bs, ts, V, \
-                                                                     D, po, n);                                   \
+    gather_block_kernel<DType::T, O><<<blocks, 256, 0, ctx.stream>>>(ids.data_ptr(), i32, start, tb, row_bytes, bs, \
+                                                                     ts, V, D, po, n);                            \
     break;
         TALLOW_FOR_EACH_BLOCK_DTYPE(TALLOW_EMB_CASE)
 #undef TALLOW_EMB_CASE
@@ -96,7 +99,8 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
       using S = decltype(ttag);
       dispatch_float(op, odt, [&](auto otag) {
         using O = decltype(otag);
-        gather_kernel<S, O><<<blocks, 256, 0, ctx.stream>>>(ids.data_ptr(), i32, static_cast<const S*>(table.data_ptr()),
+        gather_kernel<S, O><<<blocks, 256, 0, ctx.stream>>>(ids.data_ptr(), i32, start,
+                                                            static_cast<const S*>(table.data_ptr()),
                                                             table.stride(0), table.stride(1), V, D,
                                                             static_cast<O*>(out.data_ptr()), n);
       });

@@ -37,7 +37,8 @@ Tensor add(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = 
 Tensor mul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor scale(const Tensor& a, float s, const std::optional<Tensor>& out = std::nullopt);
 // embedding.cu
-Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> out_dtype = std::nullopt);
+Tensor embedding(const Tensor& ids, const Tensor& table, std::optional<DType> out_dtype = std::nullopt,
+                 std::optional<int64_t> vocab_start = std::nullopt);
 // gemm.cu
 Tensor matmul(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out = std::nullopt);
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias = std::nullopt,

@@ -43,7 +43,8 @@ struct BackendOps {
   Tensor (*mul)(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) = nullptr;
   Tensor (*scale)(const Tensor& a, float s, const std::optional<Tensor>& out) = nullptr;
   // embedding
-  Tensor (*embedding)(const Tensor& ids, const Tensor& table, std::optional<DType> out_dtype) = nullptr;
+  Tensor (*embedding)(const Tensor& ids, const Tensor& table, std::optional<DType> out_dtype,
+                      std::optional<int64_t> vocab_start) = nullptr;
   // products (out: a checked, contiguous output the op allocated or the caller passed)
   Tensor (*matmul)(const Tensor& a, const Tensor& b, const std::optional<Tensor>& out) = nullptr;
   Tensor (*linear)(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias,

@@ -8,6 +8,7 @@
 // (no Python-style wrap-around). Rows are gathered in parallel.
 #include "ops/embedding.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -53,7 +54,8 @@ void check_ids(const I* ids, int64_t n, int64_t V) {
 
 }  // namespace
 
-Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType> out_dtype) {
+Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType> out_dtype,
+                 std::optional<int64_t> vocab_start) {
   const char* op = "embedding";
   check_defined(op, ids_in, "ids");
   check_defined(op, table, "table");
@@ -70,21 +72,26 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
                     ": output dtype must be float32, float16 or bfloat16, got ", dtype_name(odt));
   if (block) check_contiguous(op, table, "table (block dtype)");
   if (!ids_in.device().is_cpu())
-    return device_op(&BackendOps::embedding, op, ids_in, {&ids_in, &table})(ids_in, table, out_dtype);
+    return device_op(&BackendOps::embedding, op, ids_in, {&ids_in, &table})(ids_in, table, out_dtype, vocab_start);
 
   const int64_t V = table.size(0), D = table.size(1);
   const Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();
-  if (ids.dtype() == DType::I32) check_ids(ids.data<int32_t>(), n, V);
-  else check_ids(ids.data<int64_t>(), n, V);
+  if (!vocab_start) {
+    if (ids.dtype() == DType::I32) check_ids(ids.data<int32_t>(), n, V);
+    else check_ids(ids.data<int64_t>(), n, V);
+  }
+  const int64_t start = vocab_start.value_or(0);
 
   Shape oshape = ids.shape();
   oshape.push_back(D);
   Tensor out = Tensor::empty(oshape, odt, table.device());
   if (out.numel() == 0) return out;
 
+  // the table row of flat position i, or -1 outside this slice (vocab_start mode: a zero row)
   auto id_at = [&](int64_t i) -> int64_t {
-    return ids.dtype() == DType::I32 ? (int64_t)ids.data<int32_t>()[i] : ids.data<int64_t>()[i];
+    const int64_t row = (ids.dtype() == DType::I32 ? (int64_t)ids.data<int32_t>()[i] : ids.data<int64_t>()[i]) - start;
+    return row >= 0 && row < V ? row : -1;
   };
 
   if (block) {
@@ -96,7 +103,12 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
       parallel_rows(n, 4 * D, [&](int64_t r0, int64_t r1) {
         std::vector<float> tmp(std::is_same_v<O, float> ? 0 : (size_t)D);
         for (int64_t r = r0; r < r1; ++r) {
-          const void* src = tbase + id_at(r) * row_bytes;
+          const int64_t row = id_at(r);
+          if (row < 0) {
+            std::fill(o + r * D, o + (r + 1) * D, from_f32<O>(0.f));
+            continue;
+          }
+          const void* src = tbase + row * row_bytes;
           if constexpr (std::is_same_v<O, float>) {
             dequantize_row_f32(tdt, src, o + r * D, D);
           } else {
@@ -118,7 +130,12 @@ Tensor embedding(const Tensor& ids_in, const Tensor& table, std::optional<DType>
       O* o = out.data<O>();
       parallel_rows(n, D, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          const S* src = t + id_at(r) * s0;
+          const int64_t row = id_at(r);
+          if (row < 0) {
+            std::fill(o + r * D, o + (r + 1) * D, from_f32<O>(0.f));
+            continue;
+          }
+          const S* src = t + row * s0;
           if constexpr (std::is_same_v<S, O>) {
             if (s1 == 1) {
               std::memcpy(o + r * D, src, (size_t)D * sizeof(S));

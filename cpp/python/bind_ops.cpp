@@ -21,9 +21,10 @@ void bind_ops(py::module_& m) {
   m.def("scale", &ops::scale, py::arg("a"), py::arg("s"), py::arg("out") = py::none());
   m.def("matmul", &ops::matmul, py::arg("a"), py::arg("b"), py::arg("out") = py::none());
   m.def("linear", &ops::linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("out") = py::none());
-  m.def("embedding", [](const Tensor& ids, const Tensor& table, const py::object& d) {
-    return ops::embedding(ids, table, d.is_none() ? std::nullopt : std::optional<DType>(to_dtype(d)));
-  }, py::arg("ids"), py::arg("table"), py::arg("dtype") = py::none());
+  m.def("embedding", [](const Tensor& ids, const Tensor& table, const py::object& d, std::optional<int64_t> start) {
+    return ops::embedding(ids, table, d.is_none() ? std::nullopt : std::optional<DType>(to_dtype(d)), start);
+  }, py::arg("ids"), py::arg("table"), py::arg("dtype") = py::none(), py::arg("vocab_start") = py::none(),
+     "table rows by id; vocab_start: a vocabulary slice's rows, ids outside it give zero rows");
   m.def("rms_norm", &ops::rms_norm, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("gemma_offset") = false,
         py::arg("out") = py::none());
   m.def("fused_add_rms_norm", &ops::fused_add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("w"),

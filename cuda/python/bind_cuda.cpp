@@ -14,6 +14,9 @@
 
 namespace py = pybind11;
 
+void bind_nccl(py::module_& c);           // bind_nccl.cpp
+void bind_ipc_allreduce(py::module_& c);  // bind_ipc_allreduce.cpp
+
 namespace {
 
 using namespace tallow::cuda;
@@ -47,6 +50,8 @@ void bind_cuda(py::module_& m) {
   py::module_ c = m.def_submodule("cuda", "CUDA runtime: devices, memory, streams, events, graphs");
   init();
   c.attr("built") = true;
+  bind_nccl(c);
+  bind_ipc_allreduce(c);
   c.def("is_available", &is_available, "True when a CUDA driver and at least one device are present");
   c.def("device_count", &device_count);
   c.def("current_device", &current_device);

@@ -308,8 +308,10 @@ def dtype(obj: typing.Any) -> DType:
     """
 def dtype_from_ggml_type(ggml_type: typing.SupportsInt | typing.SupportsIndex) -> DType:
     ...
-def embedding(ids: Tensor, table: Tensor, dtype: typing.Any = None) -> Tensor:
-    ...
+def embedding(ids: Tensor, table: Tensor, dtype: typing.Any = None, vocab_start: typing.SupportsInt | typing.SupportsIndex | None = None) -> Tensor:
+    """
+    table rows by id; vocab_start: a vocabulary slice's rows, ids outside it give zero rows
+    """
 def empty(shape: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], dtype: typing.Any = 'float32', device: typing.Any = 'cpu') -> Tensor:
     ...
 def fill_from_previous_(ids: Tensor, previous: Tensor) -> None:

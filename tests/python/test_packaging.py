@@ -163,9 +163,9 @@ def _own_public(cls) -> set[str]:
 
 
 def _cuda_only_names() -> set[str]:
-    """Names of _core.cuda in a CUDA build (cuda/python/bind_cuda.cpp) that the CPU stand-in
-    (cpp/python/bind_cuda.cpp) does not define."""
-    cuda_src = (REPO / "cuda" / "python" / "bind_cuda.cpp").read_text()
+    """Names of _core.cuda in a CUDA build (cuda/python/*.cpp: bind_cuda.cpp and the files it calls) that
+    the CPU stand-in (cpp/python/bind_cuda.cpp) does not define."""
+    cuda_src = "".join(f.read_text() for f in sorted((REPO / "cuda" / "python").glob("*.cpp")))
     cuda = set(re.findall(r'\bc\.def\(\s*"(\w+)"', cuda_src))
     cuda |= set(re.findall(r'py::class_<[^;]*?>\(\s*c\s*,\s*"(\w+)"', cuda_src))
     cuda |= set(re.findall(r'\bc\.attr\(\s*"(\w+)"\s*\)', cuda_src))
@@ -186,7 +186,7 @@ def _stub_kind() -> str:
 def test_the_parsers_of_the_cuda_bindings_see_what_the_module_has():
     from tallow import _core
 
-    assert _cuda_only_names(), "no CUDA-only names parsed from cuda/python/bind_cuda.cpp"
+    assert _cuda_only_names(), "no CUDA-only names parsed from cuda/python/*.cpp"
     runtime = _runtime_public(_core.cuda)
     if not _core.cuda.built:
         assert runtime == _stand_in_names(), "cpp/python/bind_cuda.cpp and the CPU module disagree"
@@ -197,7 +197,7 @@ def test_the_parsers_of_the_cuda_bindings_see_what_the_module_has():
 def test_the_stub_names_what_the_built_module_has():
     """Module, class and cuda-submodule names: the committed stub and the built extension agree. The stub is
     generated from a CPU build (tools/gen_core_stub.py); a CUDA build's _core.cuda may differ from it by
-    exactly the CUDA-only names, read from cuda/python/bind_cuda.cpp."""
+    exactly the CUDA-only names, read from cuda/python/*.cpp."""
     from tallow import _core
 
     top, members = _stub_names()

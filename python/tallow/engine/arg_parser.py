@@ -39,10 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
 
     g = p.add_argument_group("device and memory")
     g.add_argument("--d", "--device-ids", dest="device_ids",
-                   help="GPU ids, e.g. 0 or 0,1 (default: CPU)")
+                   help="GPU ids, e.g. 0, or 0,1 for tensor parallelism over both (default: CPU)")
     g.add_argument("-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, metavar="N",
-                   help="shard the model over N ranks (CPU: N worker processes sharing the cores, a shared-memory "
-                        "all-reduce)")
+                   help="shard the model over N ranks: the first N GPUs (or N from --d's GPU on), NCCL between "
+                        "them; without a GPU, N worker processes sharing the cores, a shared-memory all-reduce")
     g.add_argument("--mem", "--kvcache-mem-gpu", dest="mem", type=int, metavar="MB",
                    help="KV-cache budget in MB (default 2048 on CPU; on a GPU it replaces --gpu-memory-fraction)")
     g.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", dest="gpu_memory_fraction", type=float,
@@ -118,12 +118,26 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     tp = getattr(ns, "tensor_parallel_size", None)
     if tp is not None and tp < 1:
         raise FlagError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    device_ids = None
     if ns.device_ids:
-        ids = [s for s in ns.device_ids.split(",") if s.strip()]
-        device = f"cuda:{ids[0].strip()}"
-        if len(ids) > 1:
-            raise FlagError(f"--d {ns.device_ids}: several GPUs need the NCCL collectives, not built yet; "
-                            "tensor parallelism runs on the CPU for now (-tp N without --d)")
+        try:
+            device_ids = tuple(int(s) for s in ns.device_ids.split(",") if s.strip())
+        except ValueError:
+            raise FlagError(f"--d {ns.device_ids}: expected GPU indices separated by commas, e.g. --d 0,1") from None
+        if not device_ids or min(device_ids) < 0 or len(set(device_ids)) != len(device_ids):
+            raise FlagError(f"--d {ns.device_ids}: expected distinct GPU indices, e.g. --d 0,1")
+        device = f"cuda:{device_ids[0]}"
+        if tp is not None and tp != len(device_ids):
+            if len(device_ids) != 1:
+                raise FlagError(f"--d {ns.device_ids} names {len(device_ids)} GPUs but --tensor-parallel-size is {tp}")
+            device_ids = None  # --d N -tp M: M GPUs from N on
+        elif len(device_ids) == 1:
+            device_ids = None
+    elif tp is not None and tp > 1:
+        import tallow.cuda
+
+        if tallow.cuda.is_available():  # vLLM's -tp N: the first N visible GPUs
+            device = "cuda:0"
     kv_dtype = getattr(ns, "kv_cache_dtype", None)
     fp8 = ns.fp8_kvcache or kv_dtype in ("fp8", "fp8_e4m3")
     if fp8 and device == "cpu":
@@ -142,4 +156,4 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         temperature=getattr(ns, "default_temperature", None), top_p=getattr(ns, "default_top_p", None),
         top_k=getattr(ns, "default_top_k", None), min_p=getattr(ns, "default_min_p", None),
         cuda_graph_max_bs=ns.cuda_graph_max_bs, load_format=ns.load_format, quantization=ns.isq,
-        tensor_parallel_size=tp or 1)
+        tensor_parallel_size=tp or (len(device_ids) if device_ids else 1), device_ids=device_ids)

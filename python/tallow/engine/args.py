@@ -38,6 +38,8 @@ class EngineArgs:
     yarn_scaling_factor: Optional[float] = None
     num_threads: Optional[int] = None
     tensor_parallel_size: int = 1  # ranks the model is sharded over (CPU: worker processes; -tp N)
+    # the GPUs of the ranks (`--d 0,1`); None: tensor_parallel_size GPUs from the device's index on
+    device_ids: Optional[tuple] = None
     seed: Optional[int] = None  # default seed for requests that set none (None: fresh entropy)
     max_gen_tokens: Optional[int] = None  # default max_tokens when a request sets none
     # server-wide sampling defaults (`tallow serve --temperature ...`, as candle-vllm's): a request's own value
@@ -58,6 +60,18 @@ class EngineArgs:
             bad(f"block_size must be a power of two, got {self.block_size}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad(f"tensor_parallel_size must be a positive whole number, got {self.tensor_parallel_size!r}")
+        if self.device_ids is not None:
+            ids = self.device_ids = tuple(self.device_ids)
+            if not ids or not all(isinstance(i, int) and i >= 0 for i in ids) or len(set(ids)) != len(ids):
+                bad(f"device_ids must be distinct GPU indices, got {ids!r}")
+            if self.tensor_parallel_size == 1:
+                self.tensor_parallel_size = len(ids)
+            elif self.tensor_parallel_size != len(ids):
+                bad(f"tensor_parallel_size {self.tensor_parallel_size} with {len(ids)} device ids {list(ids)}")
+            dev = str(self.device)
+            if dev.startswith("cuda:") and dev != f"cuda:{ids[0]}":
+                bad(f"device {dev} is not the first of device_ids {list(ids)} (rank 0's GPU)")
+            self.device = f"cuda:{ids[0]}"  # device ids are GPUs
         if self.max_num_seqs <= 0:
             bad(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.mem is not None and self.mem <= 0:
@@ -136,3 +150,13 @@ def default_batching(device: str, prefill_chunk_size: Optional[int], max_num_bat
     if chunk == 0:
         return chunk, UNCHUNKED_BUDGET
     return chunk, max(CPU_PREFILL_CHUNK, chunk, max_num_seqs)
+
+
+def tp_device_ids(args: "EngineArgs") -> list[int]:
+    """The CUDA device index of each tensor-parallel rank: args.device_ids, else tensor_parallel_size
+    consecutive GPUs from the device's index (vLLM's -tp N: the first N visible GPUs)."""
+    if args.device_ids is not None:
+        return list(args.device_ids)
+    dev = str(args.device or "cuda")
+    first = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    return list(range(first, first + args.tensor_parallel_size))

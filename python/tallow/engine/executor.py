@@ -80,13 +80,26 @@ def max_batched_tokens(args: EngineArgs) -> int:
     return args.max_num_batched_tokens
 
 
-def check_tensor_parallel(cfg, tp: int, device: str) -> None:
-    """One clear line for a tensor-parallel size this model or device cannot take."""
+def graph_batch_size(args: EngineArgs, device: str) -> int:
+    """The largest decode batch captured in a CUDA graph (0: none)."""
+    if device == "cpu" or args.enforce_eager:
+        return 0
+    cap = args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else args.max_num_seqs
+    return min(cap, args.max_num_seqs)
+
+
+def check_tensor_parallel(cfg, tp: int, device: str, device_ids=None) -> None:
+    """One clear line for a tensor-parallel size this model or these devices cannot take."""
     if tp == 1:
         return
     if device != "cpu":
-        raise ValueError(f"tensor_parallel_size {tp} on {device}: the GPU collectives (NCCL) are not built yet; "
-                         "tensor parallelism runs on the CPU only for now (device='cpu')")
+        from tallow import cuda
+
+        have = cuda.device_count()
+        missing = [i for i in device_ids if i >= have]
+        if missing:
+            raise ValueError(f"tensor_parallel_size {tp} needs GPUs {list(device_ids)}, but {have} "
+                             f"{'is' if have == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES counts)")
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {heads} attention heads")
@@ -101,6 +114,25 @@ def tp_slot_bytes(args: EngineArgs, cfg, tp: int) -> int:
     return min(largest, 16 * 2**20)
 
 
+class _GuardedStep:
+    """A tensor-parallel step in flight: on GPUs its collectives complete where its results are read, so
+    a rank that died or got stuck surfaces there (CollectiveError), and ends the engine like a failure
+    at launch does."""
+
+    __slots__ = ("_executor", "_launched")
+
+    def __init__(self, executor: "Executor", launched):
+        self._executor, self._launched = executor, launched
+
+    def result(self):
+        from tallow.parallel.communicator import CollectiveError
+
+        try:
+            return self._launched.result()
+        except CollectiveError as e:
+            self._executor._fail(e)
+
+
 class Executor:
     def __init__(self, args: EngineArgs, cfg, source, device: str, eos_ids, overlap_depth: int,
                  step_timing: bool = False):
@@ -109,15 +141,17 @@ class Executor:
         self.tp_size, self.workers, self._dead = tp, None, None
         if tp > 1:
             from tallow import envs
+            from tallow.engine.args import tp_device_ids
             from tallow.parallel import set_tp_group
             from tallow.parallel.workers import WorkerGroup
 
-            check_tensor_parallel(cfg, tp, device)
+            device_ids = None if device == "cpu" else tp_device_ids(args)
+            check_tensor_parallel(cfg, tp, device, device_ids)
             # The ranks share the cores: each gets its part unless --num-threads says otherwise.
             threads = args.num_threads or max(1, (os.cpu_count() or 1) // tp)
             wc = dataclasses.replace(wc, tp_rank=0, tp_size=tp, num_threads=threads)
             self.workers = WorkerGroup(tp, args, cfg, device, eos_ids, overlap_depth, threads,
-                                       tp_slot_bytes(args, cfg, tp), envs.TALLOW_TP_TIMEOUT_S)
+                                       tp_slot_bytes(args, cfg, tp), envs.TALLOW_TP_TIMEOUT_S, device_ids)
             set_tp_group(self.workers.comm)
         try:
             self._build(args, cfg, source, device, wc)
@@ -138,8 +172,7 @@ class Executor:
         # memory free after the weights, less the peak of the largest step and the decode graphs'
         # memory); it must hold at least one max-length sequence.
         per_block = self.worker.kv_bytes_per_block()
-        graph_bs = 0 if (device == "cpu" or args.enforce_eager) else min(
-            args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else args.max_num_seqs, args.max_num_seqs)
+        graph_bs = graph_batch_size(args, device)
         budget = self.worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, graph_bs)
         num_blocks = budget // per_block
         if self.workers is not None:  # every rank the same block count: the fewest any rank holds
@@ -175,7 +208,7 @@ class Executor:
         (structured output) or None."""
         if self.workers is None:
             return self.worker.execute_model(step, mask_fn)
-        return self._on_all_ranks("step", step, lambda: self.worker.execute_model(step, mask_fn))
+        return _GuardedStep(self, self._on_all_ranks("step", step, lambda: self.worker.execute_model(step, mask_fn)))
 
     def release(self, req_ids: list[str]) -> None:
         """Drop the workers' state of finished requests outside a step (the engine is idle)."""
@@ -204,10 +237,14 @@ class Executor:
             self.workers.send(cmd, payload)
             return run_here()
         except CollectiveError as e:
-            self._dead = f"tensor parallelism stopped: {self.workers.dead_worker() or e}"
-            log.error("%s", self._dead)
-            self.shutdown()
-            raise EngineDeadError(self._dead) from None
+            self._fail(e)
+
+    def _fail(self, e: BaseException):
+        """A rank failed or died: stop the workers; EngineDeadError now and for every later call."""
+        self._dead = f"tensor parallelism stopped: {self.workers.why_gone() or e}"
+        log.error("%s", self._dead)
+        self.shutdown()
+        raise EngineDeadError(self._dead) from None
 
     def shutdown(self) -> None:
         if self.workers is not None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
 
 import tallow
 from tallow import ops
@@ -316,20 +315,9 @@ class VocabParallelEmbedding(Module):
     def __call__(self, ids: tallow.Tensor) -> tallow.Tensor:
         if self.tp_size == 1:
             return self.quant_method.apply(self, ids)
-        # Each rank looks up the ids in its vocabulary range (the others read row 0 and are zeroed), and
-        # the all-reduce adds the one non-zero row per token. The masking runs on the host (a sync on a
-        # GPU: a masked-embedding op would keep it on the device).
-        host = np.asarray((ids if ids.device == "cpu" else ids.to("cpu")).numpy())
-        inside = (host >= self.vocab_start) & (host < self.vocab_end)
-        local = np.where(inside, host - self.vocab_start, 0).astype(host.dtype)
-        mask = tallow.from_numpy(np.ascontiguousarray(inside.astype(np.float32).reshape(-1, 1)))
-        if mask.dtype != self.dtype:
-            mask = mask.to(self.dtype)
-        local_t = tallow.from_numpy(np.ascontiguousarray(local))
-        if ids.device != "cpu":
-            local_t, mask = local_t.to(ids.device), mask.to(ids.device)
-        h = ops.mul(self.quant_method.apply(self, local_t), mask)
-        return get_tp_group().all_reduce(h)
+        # Each rank looks up the ids in its vocabulary range (ids outside it give zero rows, on the device:
+        # no host sync, so the decode graphs capture it), and the all-reduce adds the one non-zero row per token.
+        return get_tp_group().all_reduce(self.quant_method.apply(self, ids, vocab_start=self.vocab_start))
 
 
 class ParallelLMHead(ColumnParallelLinear):

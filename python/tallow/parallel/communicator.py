@@ -62,3 +62,13 @@ def get_tp_group() -> Communicator:
         raise CollectiveError("a tensor-parallel layer ran without a tensor-parallel group (build the model "
                               "through the executor, which starts the ranks and their communicator)")
     return _group
+
+
+def wait_event(event) -> None:
+    """Wait for a step's event (recorded after its collectives): through the group where it has its own
+    wait (NCCL: a dead or stuck peer raises CollectiveError instead of hanging), else in the driver."""
+    wait = getattr(_group, "wait", None)
+    if wait is None:
+        event.synchronize()
+    else:
+        wait(event)

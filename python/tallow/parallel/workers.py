@@ -14,53 +14,79 @@ Messages to a worker (pickled (command, payload)): ("cache", num_blocks), ("step
 start-up, ("ready", kv bytes per block, kv budget bytes) or ("error", summary, traceback); an error later
 is answered the same way after it aborts the communicator, so rank 0 stops waiting in its collective.
 
-Faults: a waiting rank 0 checks its workers' exit codes; a worker whose engine process is gone (its pipe
-closes, or its parent pid changes while it waits in a collective) exits; the daemon flag ends workers
-with the engine process; the shared-memory segment is unlinked by rank 0 on shutdown (and by a
-finalizer at exit)."""
+The communicator: on the CPU a ShmCommunicator (shared memory); on GPUs an NcclCommunicator, rank r on
+GPU devices[r], every rank joining NCCL as it starts (rank 0 once its workers are spawned).
+
+Faults: a waiting rank 0 checks its workers' exit codes (on GPUs also a monitor thread, which aborts NCCL
+so that kernels waiting on a dead peer end); a worker whose engine process is gone (its pipe closes, its
+parent pid changes while it waits in a collective, or its watchdog thread sees the parent change) exits;
+the daemon flag ends workers with the engine process; the shared-memory segment is unlinked by rank 0 on
+shutdown (and by a finalizer at exit)."""
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 import traceback
 import weakref
 
 from tallow.parallel.communicator import CollectiveError, set_tp_group
-from tallow.parallel.shm_communicator import ShmCommunicator
+from tallow.parallel.shm_communicator import ShmCommunicator, ShmHandle
 
 log = logging.getLogger("tallow.parallel")
 
 READY_TIMEOUT_S = 3600.0  # loading a large checkpoint from a slow disk
+WATCH_S = 0.2  # how often the watchdog / monitor threads look at the other processes
 
 
 def _describe_exit(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
+def _watch_parent(ppid: int) -> None:
+    """A worker's watchdog: exit at once when the engine process is gone, wherever the main thread
+    waits (a GPU copy behind a collective whose peer died never returns by itself)."""
+    while True:
+        time.sleep(WATCH_S)
+        if os.getppid() != ppid:
+            os._exit(1)
+
+
 def _worker_main(rank: int, handle, args, cfg, device: str, eos_ids, overlap_depth: int, num_threads, conn) -> None:
     """A worker process: build rank `rank`'s Worker, then run the commands rank 0 sends until "stop"."""
     import dataclasses
 
-    from tallow.engine.executor import load_source, worker_config
+    from tallow.engine.executor import graph_batch_size, load_source, worker_config
     from tallow.worker.worker import Worker
 
     ppid = os.getppid()
+    threading.Thread(target=_watch_parent, args=(ppid,), name="tallow-tp-watchdog", daemon=True).start()
 
     def parent_gone():
         return None if os.getppid() == ppid else "the engine process (rank 0) is gone"
 
-    comm = ShmCommunicator.attach(handle, rank, alive_check=parent_gone)
+    if isinstance(handle, ShmHandle):
+        comm = ShmCommunicator.attach(handle, rank, alive_check=parent_gone)
+    else:
+        import tallow.cuda
+        from tallow.parallel.nccl_communicator import NcclCommunicator
+
+        device = handle.device_of(rank)
+        tallow.cuda.set_device(handle.devices[rank])
+        comm = NcclCommunicator.attach(handle, rank, alive_check=parent_gone)
     set_tp_group(comm)
     try:
         _cfg, source = load_source(args)
         wc = dataclasses.replace(worker_config(args, cfg, device, eos_ids, overlap_depth), tp_rank=rank,
                                  tp_size=handle.world_size, num_threads=num_threads)
         worker = Worker(cfg, source, wc)
+        # the same profiling steps as rank 0 (their collectives must pair up)
+        graph_bs = graph_batch_size(args, device)
         conn.send(("ready", worker.kv_bytes_per_block(),
-                   worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, 0)))
+                   worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, graph_bs)))
         while True:
             cmd, payload = pickle.loads(conn.recv_bytes())
             if cmd == "step":
@@ -72,7 +98,7 @@ def _worker_main(rank: int, handle, args, cfg, device: str, eos_ids, overlap_dep
             elif cmd == "eos":
                 worker.runner.eos_ids = set(payload)
             elif cmd == "cache":
-                worker.initialize_cache(payload, 0)
+                worker.initialize_cache(payload, graph_bs)  # the same decode graphs as rank 0
             elif cmd == "stop":
                 break
     except (EOFError, BrokenPipeError):  # the engine process is gone: nothing to report to
@@ -92,13 +118,22 @@ class WorkerGroup:
     """The worker processes of ranks 1..world_size-1 and the communicator of all ranks (rank 0's end)."""
 
     def __init__(self, world_size: int, args, cfg, device: str, eos_ids, overlap_depth: int, num_threads,
-                 slot_bytes: int, timeout_s: float):
+                 slot_bytes: int, timeout_s: float, device_ids=None):
+        """device_ids: the GPU of each rank (NCCL); None on the CPU (shared memory)."""
         self.world_size = world_size
         self.procs: list = []
         self.conns: list = []
         me = weakref.ref(self)  # the communicator must not keep the group alive
-        self.comm = ShmCommunicator.create(world_size, slot_bytes, timeout_s,
-                                           alive_check=lambda: me().dead_worker() if me() is not None else None)
+
+        def alive_check():
+            group = me()
+            return group.dead_worker() if group is not None else None
+        if device_ids is None:
+            self.comm = ShmCommunicator.create(world_size, slot_bytes, timeout_s, alive_check=alive_check)
+        else:
+            from tallow.parallel.nccl_communicator import NcclCommunicator
+
+            self.comm = NcclCommunicator.create(list(device_ids), timeout_s, alive_check=alive_check)
         self._closed = False
         self._finalizer = weakref.finalize(self, WorkerGroup._cleanup, self.procs, self.conns, self.comm)
         ctx = multiprocessing.get_context("spawn")
@@ -111,6 +146,28 @@ class WorkerGroup:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
+        if device_ids is not None:
+            try:
+                self.comm.connect()  # rank 0 joins NCCL (the workers join as they start)
+            except BaseException:
+                self.shutdown()
+                raise
+            threading.Thread(target=WorkerGroup._monitor, args=(me,), name="tallow-tp-monitor", daemon=True).start()
+
+    @staticmethod
+    def _monitor(ref) -> None:
+        """GPUs: abort NCCL as soon as a worker is gone, so that kernels waiting on it end (rank 0 may be
+        blocked in a device copy behind them) and the next wait or collective raises CollectiveError."""
+        while True:
+            time.sleep(WATCH_S)
+            group = ref()
+            if group is None or group._closed:
+                return
+            why = group.dead_worker()
+            if why is not None:
+                group.comm.abort(why)
+                return
+            del group
 
     def dead_worker(self):
         """Why a worker is gone (its error, or how it exited), or None while all run."""
@@ -119,6 +176,16 @@ class WorkerGroup:
                 return self._error_of(rank) or f"tensor-parallel worker rank {rank} (pid {p.pid}) " \
                                                f"{_describe_exit(p.exitcode)}"
         return None
+
+    def why_gone(self, wait_s: float = 2.0):
+        """dead_worker(), waiting up to wait_s for a worker whose pipe already closed to be reaped (its
+        exit code says how it ended)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            why = self.dead_worker()
+            if why is not None or time.monotonic() > deadline:
+                return why
+            time.sleep(0.01)
 
     def _error_of(self, rank: int):
         conn = self.conns[rank - 1]
@@ -160,7 +227,7 @@ class WorkerGroup:
             try:
                 conn.send_bytes(data)
             except OSError:
-                raise CollectiveError(self.dead_worker() or "a tensor-parallel worker's pipe is closed") from None
+                raise CollectiveError(self.why_gone() or "a tensor-parallel worker's pipe is closed") from None
 
     def shutdown(self) -> None:
         if self._closed:

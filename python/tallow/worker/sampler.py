@@ -41,6 +41,7 @@ import numpy as np
 
 import tallow
 from tallow.engine.sampling_params import LOGIT_BIAS_STEP
+from tallow.parallel.communicator import wait_event
 
 _U64 = 1 << 64
 
@@ -300,7 +301,7 @@ class LaunchedSample:
 
     def results(self) -> list[SampleResult]:
         if self._event is not None:
-            self._event.synchronize()
+            wait_event(self._event)
         arrays = [t.numpy() for t in self._host]
         tokens = arrays[0]
         if len(arrays) == 1:
@@ -322,7 +323,7 @@ class LaunchedSample:
         """Plain data: (sampled ids, per row None or (logprob, rank, [(token, logprob)] of the top
         params.logprobs)); waits for the copy only. The logprob rows are None when no row asked."""
         if self._event is not None:
-            self._event.synchronize()
+            wait_event(self._event)
         arrays = [t.numpy() for t in self._host]
         tokens = arrays[0].tolist()
         if len(arrays) == 1:

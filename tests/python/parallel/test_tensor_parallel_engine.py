@@ -138,7 +138,18 @@ def test_flags():
     assert engine_args_from(p.parse_args(["m", "-tp", "2"])).tensor_parallel_size == 2
     assert engine_args_from(p.parse_args(["m", "--tensor-parallel-size", "4"])).tensor_parallel_size == 4
     assert engine_args_from(p.parse_args(["m"])).tensor_parallel_size == 1
-    with pytest.raises(FlagError, match="--d 0,1: several GPUs need the NCCL collectives"):
-        engine_args_from(p.parse_args(["m", "--d", "0,1"]))
+    a = engine_args_from(p.parse_args(["m", "--d", "0,1"]))  # candle-vllm's form: both GPUs, NCCL
+    assert (a.device, a.tensor_parallel_size, a.device_ids) == ("cuda:0", 2, (0, 1))
+    a = engine_args_from(p.parse_args(["m", "--d", "2,3", "-tp", "2"]))
+    assert (a.device, a.tensor_parallel_size, a.device_ids) == ("cuda:2", 2, (2, 3))
+    a = engine_args_from(p.parse_args(["m", "--d", "1", "-tp", "2"]))  # two GPUs from 1 on
+    assert (a.device, a.tensor_parallel_size, a.device_ids) == ("cuda:1", 2, None)
+    from tallow.engine.args import tp_device_ids
+    assert tp_device_ids(a) == [1, 2]
+    with pytest.raises(FlagError, match="names 2 GPUs but --tensor-parallel-size is 4"):
+        engine_args_from(p.parse_args(["m", "--d", "0,1", "-tp", "4"]))
+    for bad in ("0,x", "0,0", "-1"):
+        with pytest.raises(FlagError, match="GPU indices"):
+            engine_args_from(p.parse_args(["m", "--d", bad]))
     with pytest.raises(FlagError, match="--tensor-parallel-size must be at least 1"):
         engine_args_from(p.parse_args(["m", "-tp", "0"]))

@@ -166,5 +166,5 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
             return
         super().load(layer, param, src, row_offset, part)
 
-    def apply(self, layer, ids: tallow.Tensor) -> tallow.Tensor:
-        return ops.embedding(ids, layer.weight, layer.dtype)
+    def apply(self, layer, ids: tallow.Tensor, vocab_start: Optional[int] = None) -> tallow.Tensor:
+        return ops.embedding(ids, layer.weight, layer.dtype, vocab_start)

@@ -3,6 +3,8 @@ folded into the down projection, fused qkv / gate_up GEMMs; the runner's CUDA gr
 before)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import tallow
 from tallow import ops
 from tallow.layers.quantization.base import QuantizeMethodBase
@@ -26,5 +28,5 @@ class UnquantizedEmbeddingMethod(QuantizeMethodBase):
     def create_weights(self, layer, dtype, device: str) -> None:
         layer.weight = tallow.empty([layer.num_embeddings_per_partition, layer.embedding_dim], dtype, device)
 
-    def apply(self, layer, ids: tallow.Tensor) -> tallow.Tensor:
-        return ops.embedding(ids, layer.weight, layer.dtype)
+    def apply(self, layer, ids: tallow.Tensor, vocab_start: Optional[int] = None) -> tallow.Tensor:
+        return ops.embedding(ids, layer.weight, layer.dtype, vocab_start)

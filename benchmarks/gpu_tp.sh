@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 25's GPU call on a machine of two or more GPUs (nvidia-h100-x2). Under $OUT: build.log and
+# device.txt (gpu_session.sh), tp.log (every stage's output), allreduce.json, e2e_tp.json. Stages:
+#   tests      the tensor-parallel CUDA tests (NCCL collectives, the IPC all-reduce, TP=2 against TP=1
+#              and transformers, a killed worker)
+#   allreduce  benchmarks/allreduce_bench.py: IPC one-shot against NCCL per message size, from CUDA graphs
+#   decode     benchmarks/gpu_e2e.py --target decode8b at TP=1 then TP=2 (Llama-3-8B shape, batch 1)
+#   bash benchmarks/gpu_tp.sh     (STAGES="tests allreduce decode" is the default; run decode, allreduce, tests)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tallow-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+STAGES=${STAGES:-tests allreduce decode}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+LOG=$OUT/tp.log
+rc=0
+bash benchmarks/gpu_session.sh build || exit 1
+export PYTHONPATH=/tmp/site
+{ nvidia-smi topo -m; python3 -c "
+from tallow.parallel.nccl_communicator import load_nccl, nccl_version
+path = load_nccl()
+print('nccl', nccl_version(), 'from', path or 'the default search')"; } 2>&1 | tee -a "$LOG"
+if has decode; then
+  for tp in 1 2; do
+    timeout 120 python3 benchmarks/gpu_e2e.py --target decode8b --tp $tp --repeats 2 \
+      --json "$OUT/e2e_tp.json" >"$OUT/decode.tmp" 2>&1 || rc=1
+    cat "$OUT/decode.tmp" >>"$LOG"
+    grep -E "decode|Error|error|capture" "$OUT/decode.tmp" | tail -4
+    rm -f "$OUT/decode.tmp"
+  done
+fi
+if has allreduce && [ -f benchmarks/allreduce_bench.py ]; then
+  timeout 90 python3 benchmarks/allreduce_bench.py --min-bytes 1K --max-bytes ${AR_MAX:-16M} --step 4 \
+    --json "$OUT/allreduce.json" 2>&1 | tee -a "$LOG" | tail -14 || rc=1
+fi
+if has tests; then
+  (cd tests/python && timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider \
+    parallel/test_ipc_allreduce_cuda.py parallel/test_tensor_parallel_cuda.py ${TP_TESTS_K:+-k "$TP_TESTS_K"}) \
+    >"$OUT/tests.tmp" 2>&1 || rc=1
+  cat "$OUT/tests.tmp" >>"$LOG"
+  grep -E "^(FAILED|ERROR)|^E  |prompts \(32|passed|failed|Error" "$OUT/tests.tmp" | head -40
+  rm -f "$OUT/tests.tmp"
+fi
+exit $rc
