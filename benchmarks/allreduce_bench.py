@@ -86,6 +86,10 @@ def _rank_main(rank: int, args, conn, barrier) -> None:
         sizes = _sizes(args)
         ipc = c.IpcAllReduce(rank, rank, args.world, args.ipc_max_bytes)
         has_nccl = hasattr(c, "NcclComm") and not args.no_nccl
+        if has_nccl:
+            from tallow.parallel.nccl_communicator import load_nccl
+
+            load_nccl()
         conn.send({"handle": ipc.handle(), "uid": c.nccl_unique_id() if has_nccl and rank == 0 else None})
         peers = conn.recv()
         ipc.open(peers["handles"])

@@ -15,6 +15,22 @@ STAGES=${STAGES:-tests allreduce decode}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 LOG=$OUT/tp.log
 rc=0
+export PYTHONFAULTHANDLER=1
+# dumped SECS CMD...: run CMD; past SECS, print every process's Python stacks (workers on SIGUSR1, the
+# main process on SIGABRT) so that a hang says where each rank waits, then stop it.
+dumped() {
+  local secs=$1; shift
+  "$@" & local pid=$!
+  local t=0
+  while kill -0 $pid 2>/dev/null && [ $t -lt $secs ]; do sleep 1; t=$((t + 1)); done
+  if kill -0 $pid 2>/dev/null; then
+    echo "== $* still running after $secs s: stacks ==" >&2
+    pkill -USR1 -f "multiprocessing.spawn" 2>/dev/null; sleep 2
+    kill -ABRT $pid 2>/dev/null; sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null; kill -9 $pid 2>/dev/null
+    wait $pid 2>/dev/null; return 124
+  fi
+  wait $pid
+}
 bash benchmarks/gpu_session.sh build || exit 1
 export PYTHONPATH=/tmp/site
 { nvidia-smi topo -m; python3 -c "
@@ -23,7 +39,7 @@ path = load_nccl()
 print('nccl', nccl_version(), 'from', path or 'the default search')"; } 2>&1 | tee -a "$LOG"
 if has decode; then
   for tp in 1 2; do
-    timeout 120 python3 benchmarks/gpu_e2e.py --target decode8b --tp $tp --repeats 2 \
+    dumped 120 python3 benchmarks/gpu_e2e.py --target decode8b --tp $tp --repeats 2 \
       --json "$OUT/e2e_tp.json" >"$OUT/decode.tmp" 2>&1 || rc=1
     cat "$OUT/decode.tmp" >>"$LOG"
     grep -E "decode|Error|error|capture" "$OUT/decode.tmp" | tail -4
@@ -31,11 +47,11 @@ if has decode; then
   done
 fi
 if has allreduce && [ -f benchmarks/allreduce_bench.py ]; then
-  timeout 90 python3 benchmarks/allreduce_bench.py --min-bytes 1K --max-bytes ${AR_MAX:-16M} --step 4 \
+  dumped 90 python3 benchmarks/allreduce_bench.py --min-bytes 1K --max-bytes ${AR_MAX:-16M} --step 4 \
     --json "$OUT/allreduce.json" 2>&1 | tee -a "$LOG" | tail -14 || rc=1
 fi
 if has tests; then
-  (cd tests/python && timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider \
+  (cd tests/python && dumped ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider \
     parallel/test_ipc_allreduce_cuda.py parallel/test_tensor_parallel_cuda.py ${TP_TESTS_K:+-k "$TP_TESTS_K"}) \
     >"$OUT/tests.tmp" 2>&1 || rc=1
   cat "$OUT/tests.tmp" >>"$LOG"

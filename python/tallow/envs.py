@@ -109,6 +109,33 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
     "PIP_EXTRA_INDEX_URL": (
         _str("PIP_EXTRA_INDEX_URL", None),
         "str, default unset: pip's further indexes (space-separated), tried after the first."),
+    # -- tensor parallelism across GPUs and hosts ----------------------------------------------------
+    "TALLOW_NCCL_LIBRARY": (
+        _str("TALLOW_NCCL_LIBRARY", None),
+        "str, default unset: the libnccl.so.2 to open for GPU tensor parallelism (unset: the nvidia-nccl "
+        "wheel's, else the dynamic linker's search)."),
+    "NCCL_NVLS_ENABLE": (
+        _str("NCCL_NVLS_ENABLE", None),
+        "str, default unset, which tallow turns into 0 before it opens NCCL (its ranks inherit it): NCCL's "
+        "NVLink multicast (NVLS); set 1 to let NCCL use it."),
+    "OMPI_COMM_WORLD_SIZE": (
+        _int("OMPI_COMM_WORLD_SIZE", 0, minimum=0),
+        "int, default 0 (not under mpirun): set by Open MPI's mpirun, the number of ranks."),
+    "OMPI_COMM_WORLD_RANK": (
+        _int("OMPI_COMM_WORLD_RANK", 0, minimum=0),
+        "int, default 0: set by Open MPI's mpirun, this process's rank (rank 0 serves HTTP)."),
+    "OMPI_COMM_WORLD_LOCAL_RANK": (
+        _int("OMPI_COMM_WORLD_LOCAL_RANK", 0, minimum=0),
+        "int, default 0: set by Open MPI's mpirun, this process's rank on its host (its GPU)."),
+    "PMI_SIZE": (
+        _int("PMI_SIZE", 0, minimum=0),
+        "int, default 0 (not under mpiexec): set by MPICH's mpiexec (Hydra), the number of ranks."),
+    "PMI_RANK": (
+        _int("PMI_RANK", 0, minimum=0),
+        "int, default 0: set by MPICH's mpiexec, this process's rank."),
+    "MPI_LOCALRANKID": (
+        _int("MPI_LOCALRANKID", 0, minimum=0),
+        "int, default 0: set by MPICH's mpiexec, this process's rank on its host."),
     "PIP_CONFIG_FILE": (
         _str("PIP_CONFIG_FILE", None),
         "str, default unset: a pip config file read after the usual ones (/etc/pip.conf, ~/.config/pip/pip.conf)."),

@@ -138,6 +138,19 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
         if tallow.cuda.is_available():  # vLLM's -tp N: the first N visible GPUs
             device = "cuda:0"
+    from tallow.parallel.mpi import mpi_world
+
+    world = mpi_world()
+    if world is not None:  # under mpirun: one rank a process, tensor parallelism over all of them
+        if tp not in (None, world.size):
+            raise FlagError(f"under an MPI runner of {world.size} ranks the tensor-parallel size is {world.size}; "
+                            f"got --tensor-parallel-size {tp} (leave it out)")
+        if device_ids is not None:
+            raise FlagError(f"--d {ns.device_ids}: under an MPI runner each rank takes the GPU of its local rank; "
+                            "give --d one id (GPUs on) or none, and CUDA_VISIBLE_DEVICES to choose them")
+        tp = world.size
+        if device != "cpu":
+            device = f"cuda:{world.local_rank}"
     kv_dtype = getattr(ns, "kv_cache_dtype", None)
     fp8 = ns.fp8_kvcache or kv_dtype in ("fp8", "fp8_e4m3")
     if fp8 and device == "cpu":

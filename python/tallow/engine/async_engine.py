@@ -186,6 +186,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self.num_step_errors = 0
+        # called on the event loop once the engine is dead for good (a tensor-parallel rank died: every
+        # later step would fail too); `tallow serve` ends itself through one, as with the core process
+        self.on_dead: list[Callable[[BaseException], None]] = []
         self.stats: dict[str, Any] = {}
         self._publish_stats()
         if start:
@@ -361,6 +364,12 @@ class AsyncEngine:
                     continue
                 try:
                     outputs = self.engine.step()
+                except EngineDeadError as e:  # the engine cannot step again
+                    self._fail_all(e)
+                    self._dead = e
+                    for cb in list(self.on_dead):
+                        self._post(cb, e)
+                    break
                 except Exception as e:  # noqa: BLE001 - any failure of a step fails its requests
                     self._fail_all(e)
                     continue

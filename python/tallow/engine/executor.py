@@ -96,7 +96,7 @@ def check_tensor_parallel(cfg, tp: int, device: str, device_ids=None) -> None:
         from tallow import cuda
 
         have = cuda.device_count()
-        missing = [i for i in device_ids if i >= have]
+        missing = [i for i in device_ids or () if i >= have]
         if missing:
             raise ValueError(f"tensor_parallel_size {tp} needs GPUs {list(device_ids)}, but {have} "
                              f"{'is' if have == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES counts)")
@@ -143,15 +143,23 @@ class Executor:
             from tallow import envs
             from tallow.engine.args import tp_device_ids
             from tallow.parallel import set_tp_group
+            from tallow.parallel.mpi import MpiWorkerGroup, mpi_world
             from tallow.parallel.workers import WorkerGroup
 
-            device_ids = None if device == "cpu" else tp_device_ids(args)
+            world = mpi_world()  # under mpirun the other ranks run on their own hosts, one GPU each
+            device_ids = None if device == "cpu" or world is not None else tp_device_ids(args)
             check_tensor_parallel(cfg, tp, device, device_ids)
-            # The ranks share the cores: each gets its part unless --num-threads says otherwise.
-            threads = args.num_threads or max(1, (os.cpu_count() or 1) // tp)
-            wc = dataclasses.replace(wc, tp_rank=0, tp_size=tp, num_threads=threads)
-            self.workers = WorkerGroup(tp, args, cfg, device, eos_ids, overlap_depth, threads,
-                                       tp_slot_bytes(args, cfg, tp), envs.TALLOW_TP_TIMEOUT_S, device_ids)
+            if world is not None:
+                threads = args.num_threads
+                wc = dataclasses.replace(wc, tp_rank=0, tp_size=tp)
+                self.workers = MpiWorkerGroup(tp, args, cfg, device, eos_ids, overlap_depth, threads,
+                                              envs.TALLOW_TP_TIMEOUT_S)
+            else:
+                # The ranks share the cores: each gets its part unless --num-threads says otherwise.
+                threads = args.num_threads or max(1, (os.cpu_count() or 1) // tp)
+                wc = dataclasses.replace(wc, tp_rank=0, tp_size=tp, num_threads=threads)
+                self.workers = WorkerGroup(tp, args, cfg, device, eos_ids, overlap_depth, threads,
+                                           tp_slot_bytes(args, cfg, tp), envs.TALLOW_TP_TIMEOUT_S, device_ids)
             set_tp_group(self.workers.comm)
         try:
             self._build(args, cfg, source, device, wc)

@@ -21,12 +21,14 @@ from typing import Callable, Optional
 
 import tallow
 import tallow.cuda
+from tallow import envs
 from tallow.parallel.communicator import CollectiveError, Communicator
 
 _POLL_S = 20e-6  # between event polls while the host waits for a step (sub-step latency matters)
 # All-reduces up to this size go through the one-shot IPC kernel (cuda/ipc_allreduce.cu) when every GPU
 # reaches the others' memory (NVLink / P2P); larger ones, and machines without peer access, use NCCL.
 IPC_ALLREDUCE_MAX_BYTES = 512 * 1024
+_IPC_DTYPES = (tallow.float32, tallow.float16, tallow.bfloat16)
 _CHECK_S = 0.05  # how often a waiting rank checks its peers' liveness
 
 
@@ -46,7 +48,7 @@ class NcclHandle:
 def find_nccl_library() -> str:
     """Path of libnccl.so.2 to open: TALLOW_NCCL_LIBRARY, else an nvidia wheel's copy, else '' (the
     dynamic linker's default search)."""
-    path = os.environ.get("TALLOW_NCCL_LIBRARY", "")
+    path = envs.TALLOW_NCCL_LIBRARY
     if path:
         return path
     try:
@@ -62,7 +64,11 @@ def find_nccl_library() -> str:
 
 
 def load_nccl() -> str:
-    """Open NCCL once in this process; returns the path used. RuntimeError with one clear line if none."""
+    """Open NCCL once in this process; returns the path used. RuntimeError with one clear line if none.
+    NVLink multicast (NVLS) stays off unless the user sets NCCL_NVLS_ENABLE: the spawned ranks inherit
+    this environment (on the machines tallow is developed on it must be off)."""
+    if envs.NCCL_NVLS_ENABLE is None:
+        envs.export("NCCL_NVLS_ENABLE", "0")
     core = tallow._core.cuda
     path = find_nccl_library()
     if not core.nccl_loaded():
@@ -173,10 +179,16 @@ class NcclCommunicator(Communicator):
 
     def all_reduce(self, t: tallow.Tensor) -> tallow.Tensor:
         comm = self._live()
-        if self._ipc is not None and self._ipc.supports(t):
-            self._ipc.all_reduce(t)
-        else:
+        # The path depends only on what every rank's tensor shares (dtype, size), never on where this
+        # rank's copy sits: ranks taking different paths would wait on each other forever.
+        if self._ipc is None or t.dtype not in _IPC_DTYPES or t.nbytes > IPC_ALLREDUCE_MAX_BYTES or t.nbytes % 16:
             comm.all_reduce(t)
+        elif self._ipc.supports(t):
+            self._ipc.all_reduce(t)
+        else:  # a strided or unaligned view: through a fresh (aligned, contiguous) copy
+            tmp = t.clone()
+            self._ipc.all_reduce(tmp)
+            t.copy_(tmp)
         return t
 
     def all_gather(self, t: tallow.Tensor, dim: int = -1) -> tallow.Tensor:

@@ -24,10 +24,12 @@ the daemon flag ends workers with the engine process; the shared-memory segment 
 shutdown (and by a finalizer at exit)."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -55,15 +57,45 @@ def _watch_parent(ppid: int) -> None:
             os._exit(1)
 
 
-def _worker_main(rank: int, handle, args, cfg, device: str, eos_ids, overlap_depth: int, num_threads, conn) -> None:
-    """A worker process: build rank `rank`'s Worker, then run the commands rank 0 sends until "stop"."""
+def serve_rank(rank: int, world_size: int, args, cfg, device: str, eos_ids, overlap_depth: int, num_threads,
+               recv, send_ready) -> None:
+    """Build rank `rank`'s Worker (its shard, its KV cache), tell rank 0 it is ready, then run the commands
+    recv() returns until "stop". The process's tensor-parallel group is set already. Shared by the spawned
+    workers (a pipe) and the ranks mpirun starts on other hosts (parallel/mpi.py)."""
     import dataclasses
 
     from tallow.engine.executor import graph_batch_size, load_source, worker_config
     from tallow.worker.worker import Worker
 
+    _cfg, source = load_source(args)
+    wc = dataclasses.replace(worker_config(args, cfg, device, eos_ids, overlap_depth), tp_rank=rank,
+                             tp_size=world_size, num_threads=num_threads)
+    worker = Worker(cfg, source, wc)
+    # the same profiling steps as rank 0 (their collectives must pair up)
+    graph_bs = graph_batch_size(args, device)
+    send_ready(("ready", worker.kv_bytes_per_block(),
+                worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, graph_bs)))
+    while True:
+        cmd, payload = recv()
+        if cmd == "step":
+            worker.execute_model(payload).result()  # writes rank 0's ids into the request states
+        elif cmd == "release":
+            worker.release(payload)
+        elif cmd == "embed":
+            worker.embed(payload)
+        elif cmd == "eos":
+            worker.runner.eos_ids = set(payload)
+        elif cmd == "cache":
+            worker.initialize_cache(payload, graph_bs)  # the same decode graphs as rank 0
+        elif cmd == "stop":
+            return
+
+
+def _worker_main(rank: int, handle, args, cfg, device: str, eos_ids, overlap_depth: int, num_threads, conn) -> None:
+    """A spawned worker process: its communicator, then serve_rank with rank 0's pipe."""
     ppid = os.getppid()
     threading.Thread(target=_watch_parent, args=(ppid,), name="tallow-tp-watchdog", daemon=True).start()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a worker waits
 
     def parent_gone():
         return None if os.getppid() == ppid else "the engine process (rank 0) is gone"
@@ -79,28 +111,8 @@ def _worker_main(rank: int, handle, args, cfg, device: str, eos_ids, overlap_dep
         comm = NcclCommunicator.attach(handle, rank, alive_check=parent_gone)
     set_tp_group(comm)
     try:
-        _cfg, source = load_source(args)
-        wc = dataclasses.replace(worker_config(args, cfg, device, eos_ids, overlap_depth), tp_rank=rank,
-                                 tp_size=handle.world_size, num_threads=num_threads)
-        worker = Worker(cfg, source, wc)
-        # the same profiling steps as rank 0 (their collectives must pair up)
-        graph_bs = graph_batch_size(args, device)
-        conn.send(("ready", worker.kv_bytes_per_block(),
-                   worker.kv_budget_bytes(args.mem, args.gpu_memory_fraction, graph_bs)))
-        while True:
-            cmd, payload = pickle.loads(conn.recv_bytes())
-            if cmd == "step":
-                worker.execute_model(payload).result()  # writes rank 0's ids into the request states
-            elif cmd == "release":
-                worker.release(payload)
-            elif cmd == "embed":
-                worker.embed(payload)
-            elif cmd == "eos":
-                worker.runner.eos_ids = set(payload)
-            elif cmd == "cache":
-                worker.initialize_cache(payload, graph_bs)  # the same decode graphs as rank 0
-            elif cmd == "stop":
-                break
+        serve_rank(rank, handle.world_size, args, cfg, device, eos_ids, overlap_depth, num_threads,
+                   lambda: pickle.loads(conn.recv_bytes()), conn.send)
     except (EOFError, BrokenPipeError):  # the engine process is gone: nothing to report to
         pass
     except BaseException as e:  # noqa: BLE001 - report, release the other ranks, exit non-zero

@@ -232,8 +232,18 @@ async def serve(engine_args, config, host: str, port: int, ready=None, api_serve
 
 async def _serve_engine(engine_args, config, host, port, ready, api_server_count, mcp, hub) -> int:
     from tallow.engine.core_client import EngineCoreClient
+    from tallow.parallel.mpi import mpi_module, mpi_world
 
-    engine = await EngineCoreClient.launch(engine_args, num_clients=api_server_count)
+    if mpi_world() is not None:
+        # MPI rank 0: the engine in this process (a spawned engine-core process would inherit this
+        # process's MPI identity); the other ranks serve its steps (parallel/mpi.py)
+        from tallow.engine.async_engine import AsyncEngine
+
+        mpi_module()  # MPI starts in the main thread
+        engine = await asyncio.to_thread(AsyncEngine.from_engine_args, engine_args)
+        api_server_count = 1
+    else:
+        engine = await EngineCoreClient.launch(engine_args, num_clients=api_server_count)
     src = engine.engine.source
     print(f"tallow serve: model files at {getattr(src, 'path', None) or '?'}",  # the .gguf file, or the folder
           file=sys.stderr, flush=True)
@@ -366,6 +376,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     level = getattr(logging, ns.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    from tallow.parallel.mpi import mpi_world, worker_main
+
+    world = mpi_world()
+    if world is not None and world.rank > 0:  # under mpirun: rank 0 serves, this rank holds its share
+        try:
+            return worker_main(world)
+        except RuntimeError as e:  # no mpi4py
+            print(f"tallow serve: error: {e}", file=sys.stderr)
+            return 1
     log_copy = None
     try:
         log_copy = log_to_file(ns.log_file or (DEFAULT_LOG_FILE if ns.log else None))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -58,21 +56,30 @@ def _rank_main(rank: int, handle, seed: int, out_q) -> None:
         res["bcast_in"] = b.to("cpu").numpy()
         comm.broadcast(b, src=1)
         res["bcast"] = b.to("cpu").numpy()
-        # captured in a CUDA graph, replayed with new inputs
-        static = tallow.empty([4096], tallow.float32, dev)
+        # captured in a CUDA graph, replayed with new inputs: a small all-reduce (the IPC kernel where
+        # there is peer access), a large one and an all-gather (NCCL), as a decode graph holds them
+        small = tallow.empty([4096], tallow.float32, dev)
+        large = tallow.empty([1 << 18], tallow.float32, dev)  # 1 MiB: past the IPC kernel's limit
         s = tc.Stream()
         graph = tc.CUDAGraph()
         with tc.graph(graph, stream=s):
-            comm.all_reduce(static)
-        ins, outs = [], []
+            comm.all_reduce(small)
+            comm.all_reduce(large)
+            gathered = comm.all_gather(small, dim=0)
+        res["ipc"] = comm._ipc is not None
+        for name, t in (("small", small), ("large", large)):
+            res[f"graph_{name}_in"], res[f"graph_{name}_out"] = [], []
+        res["graph_gathered"] = []
         for _ in range(5):
-            v = rng.standard_normal(4096).astype(np.float32)
-            static.copy_(tallow.tensor(v).to(dev))
+            for name, t in (("small", small), ("large", large)):
+                v = rng.standard_normal(t.shape[0]).astype(np.float32)
+                t.copy_(tallow.tensor(v).to(dev))
+                res[f"graph_{name}_in"].append(v)
             graph.replay()
             tc.synchronize()
-            ins.append(v)
-            outs.append(static.to("cpu").numpy())
-        res["graph_in"], res["graph_out"] = np.stack(ins), np.stack(outs)
+            for name, t in (("small", small), ("large", large)):
+                res[f"graph_{name}_out"].append(t.to("cpu").numpy())
+            res["graph_gathered"].append(gathered.to("cpu").numpy())
         out_q.put((rank, res))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         import traceback
@@ -111,31 +118,33 @@ def test_nccl_collectives_between_two_ranks():
         want = np.concatenate([a["gather_in"], b["gather_in"]], axis=dim)
         assert np.array_equal(a[f"gather_{dim}"], want) and np.array_equal(b[f"gather_{dim}"], want), dim
     assert np.array_equal(a["bcast"], b["bcast_in"]) and np.array_equal(b["bcast"], b["bcast_in"])
-    want = a["graph_in"].astype(np.float64) + b["graph_in"]
-    assert np.abs(a["graph_out"] - want).max() <= 1e-5 * np.abs(want).max()
-    assert np.array_equal(a["graph_out"], b["graph_out"])
+    print(f"\nIPC all-reduce {'on' if a['ipc'] else 'off (no peer access)'} for messages <= 512 KB")
+    for name in ("small", "large"):
+        for k in range(5):
+            want = a[f"graph_{name}_in"][k].astype(np.float64) + b[f"graph_{name}_in"][k]
+            got = a[f"graph_{name}_out"][k]
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (name, k)
+            assert np.array_equal(got, b[f"graph_{name}_out"][k]), (name, k)
+    for k in range(5):  # the gather of the reduced small tensor: both halves equal the sum
+        small_sum = a["graph_small_out"][k]
+        assert np.array_equal(a["graph_gathered"][k], np.concatenate([small_sum, small_sum]))
 
 
 # -- 2. whole models ------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch", reason="transformers (with torch) writes the checkpoints")
 transformers = pytest.importorskip("transformers", reason="transformers writes the checkpoints")
 
-from test_tensor_parallel_engine import VOCAB, _checkpoint  # noqa: E402
-from tallow import LLM, SamplingParams  # noqa: E402
+from test_tensor_parallel_engine import N_NEW, VOCAB, _checkpoint  # noqa: E402
+from test_tensor_parallel_engine import _generate as _generate_with  # noqa: E402
+from test_tensor_parallel_faults import check_killed_worker_stops_the_engine  # noqa: E402
+from tallow import LLM  # noqa: E402
 
-N_NEW = 32
 PROMPT_LENS = (5, 17, 40, 150, 9, 33, 64, 3)
+GPU_ENGINE = dict(device="cuda:0", max_model_len=256, gpu_memory_fraction=0.3, max_num_seqs=16)
 
 
 def _generate(path, tp: int, dtype: str, prompts) -> list[list[int]]:
-    llm = LLM(weights_dir=str(path), tensor_parallel_size=tp, device="cuda:0", dtype=dtype, max_model_len=256,
-              gpu_memory_fraction=0.3, max_num_seqs=16)
-    try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True),
-                            use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.engine.shutdown()
+    return _generate_with(path, tp, prompts, dtype=dtype, **GPU_ENGINE)
 
 
 def _transformers_greedy(path, prompts) -> list[list[int]]:
@@ -172,24 +181,6 @@ def test_tp2_matches_tp1_and_transformers(family, tmp_path):
 # -- 3. faults --------------------------------------------------------------------------------------------
 def test_killed_worker_stops_the_engine(tmp_path):
     _nccl_or_skip()
-    from tallow.engine.errors import EngineDeadError
-
     path = _checkpoint(tmp_path, "llama")
-    llm = LLM(weights_dir=str(path), tensor_parallel_size=2, device="cuda:0", dtype="float32", max_model_len=256,
-              gpu_memory_fraction=0.3)
-    eng = llm.engine
-    group = eng.executor.workers
-    worker = group.procs[0]
-    eng.add_request([5, 6, 7], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-    for _ in range(3):
-        eng.step()
-    os.kill(worker.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) was killed by signal 9"):
-        while eng.has_unfinished_requests():
-            eng.step()
-    assert time.monotonic() - t0 < 30
-    with pytest.raises(EngineDeadError, match="tensor parallelism stopped"):
-        eng.step()
-    assert all(p.exitcode is not None for p in group.procs), "no worker may outlive the engine"
-    eng.shutdown()
+    check_killed_worker_stops_the_engine(LLM(weights_dir=str(path), tensor_parallel_size=2, dtype="float32",
+                                             **GPU_ENGINE))

@@ -66,8 +66,9 @@ def _checkpoint(path, family: str):
     return path
 
 
-def _generate(path, tp: int, prompts) -> list[list[int]]:
-    llm = LLM(weights_dir=str(path), tensor_parallel_size=tp, **ENGINE)
+def _generate(path, tp: int, prompts, **engine) -> list[list[int]]:
+    """Greedy tokens of each prompt (N_NEW, ignore_eos); engine: LLM arguments (default ENGINE)."""
+    llm = LLM(weights_dir=str(path), tensor_parallel_size=tp, **(engine or ENGINE))
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True),
                             use_tqdm=False)

@@ -32,9 +32,16 @@ def test_killed_worker_stops_the_engine(model_dir):
     before = _shm_segments()
     llm = LLM(weights_dir=str(model_dir), tensor_parallel_size=2, dtype="float32", num_kv_blocks=64,
               max_model_len=512)
+    (segment,) = _shm_segments() - before
+    check_killed_worker_stops_the_engine(llm)
+    assert not os.path.exists(segment), "the shared-memory segment must be unlinked"
+
+
+def check_killed_worker_stops_the_engine(llm) -> None:
+    """Kill rank 1 three steps into a generation: EngineDeadError within 30 s naming it, later steps fail
+    the same way, no worker outlives the engine. (Also run on GPUs: test_tensor_parallel_cuda.py.)"""
     eng = llm.engine
     group = eng.executor.workers
-    (segment,) = _shm_segments() - before
     worker = group.procs[0]
     eng.add_request([5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     for _ in range(3):
@@ -48,7 +55,6 @@ def test_killed_worker_stops_the_engine(model_dir):
     with pytest.raises(EngineDeadError, match="tensor parallelism stopped"):
         eng.step()
     assert all(p.exitcode is not None for p in group.procs), "no worker may outlive the engine"
-    assert not os.path.exists(segment), "the shared-memory segment must be unlinked"
     eng.shutdown()
 
 
