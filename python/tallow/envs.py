@@ -118,6 +118,10 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
         _str("NCCL_NVLS_ENABLE", None),
         "str, default unset, which tallow turns into 0 before it opens NCCL (its ranks inherit it): NCCL's "
         "NVLink multicast (NVLS); set 1 to let NCCL use it."),
+    "NCCL_P2P_DISABLE": (
+        _str("NCCL_P2P_DISABLE", None),
+        "str, default unset: NCCL's switch off peer-to-peer transports (NVLink, PCIe); tallow's IPC "
+        "all-reduce, which also needs peer access, stays off with it (a test of separate hosts on one machine)."),
     "OMPI_COMM_WORLD_SIZE": (
         _int("OMPI_COMM_WORLD_SIZE", 0, minimum=0),
         "int, default 0 (not under mpirun): set by Open MPI's mpirun, the number of ranks."),

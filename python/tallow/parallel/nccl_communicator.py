@@ -156,12 +156,15 @@ class NcclCommunicator(Communicator):
         if self.world_size > 8:  # the kernel's largest world
             return None
         ipc, ok = None, 1
-        try:
-            ipc = core.IpcAllReduce(idx, self.rank, self.world_size, IPC_ALLREDUCE_MAX_BYTES)
-            mine = np.frombuffer(ipc.handle(), dtype=np.uint8).copy()
-        except RuntimeError:
-            mine = np.zeros(64, np.uint8)
-            ok = 0
+        mine = np.zeros(64, np.uint8)
+        if (envs.NCCL_P2P_DISABLE or "0").strip() not in ("", "0"):
+            ok = 0  # peer access is off for NCCL (separate hosts simulated on one machine): off here too
+        else:
+            try:
+                ipc = core.IpcAllReduce(idx, self.rank, self.world_size, IPC_ALLREDUCE_MAX_BYTES)
+                mine = np.frombuffer(ipc.handle(), dtype=np.uint8).copy()
+            except RuntimeError:
+                ok = 0
         every = self.all_gather(tallow.from_numpy(mine).to(self.device), dim=0).to("cpu").numpy()
         if ok:
             try:

@@ -41,8 +41,10 @@ def _env() -> dict:
     return env
 
 
-def _mpirun(n: int, args: list[str]) -> list[str]:
-    return [MPIRUN, "-np", str(n), "--oversubscribe", sys.executable, *args]
+def _mpirun(n: int, args: list[str], env=None) -> list[str]:
+    """The mpirun command line; env: variables passed to every rank (-x, as to other hosts)."""
+    xs = [a for k in (env or {}) for a in ("-x", k)]
+    return [MPIRUN, "-np", str(n), "--oversubscribe", *xs, sys.executable, *args]
 
 
 RANK_SCRIPT = r'''
@@ -103,20 +105,39 @@ def _post(port: int, body: dict) -> dict:
 
 
 def test_mpirun_serve_matches_tp1(tmp_path):
+    _serve_and_compare(tmp_path, "cpu")
+
+
+def _two_gpus() -> bool:
+    import tallow.cuda
+
+    return tallow.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA devices")
+def test_mpirun_two_hosts_over_nccl_sockets(tmp_path):
+    """Two "hosts" on one machine: NCCL kept off NVLink, shared memory and peer access (its socket
+    transport, as between hosts; the IPC all-reduce stays off too), each rank on the GPU of its local rank."""
+    _serve_and_compare(tmp_path, "cuda:0", ["--d", "0"], dict(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1"))
+
+
+def _serve_and_compare(tmp_path, device: str, flags=(), env=None) -> None:
+    """`mpirun -np 2 tallow serve` on a tiny float32 Llama: greedy completions equal TP=1's in process;
+    SIGTERM to mpirun ends both ranks."""
     from server_harness import write_tiny_llama
     from tallow import LLM, SamplingParams
 
     model = write_tiny_llama(tmp_path / "m", seed=3, max_position_embeddings=4096)
     prompts = ["t5 t6 t7", "t100 t3", "t9 t8 t7 t6 t5 t4 t3 t2 t11 t12 t13 t14 t15 t16 t17 t18 t19 t20", "t42"]
-    llm = LLM(weights_dir=str(model), dtype="float32")
+    llm = LLM(weights_dir=str(model), dtype="float32", device=device)
     want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0),
                                                      use_tqdm=False)]
     llm.engine.shutdown()
     port = _free_port()
     cli = "import sys; from tallow.cli import main; sys.exit(main())"
-    proc = subprocess.Popen(_mpirun(2, ["-c", cli, "serve", "--w", str(model), "--port", str(port), "--dtype", "f32"]),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    args = ["-c", cli, "serve", "--w", str(model), "--port", str(port), "--dtype", "f32", *flags]
+    proc = subprocess.Popen(_mpirun(2, args, env), env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while True:
