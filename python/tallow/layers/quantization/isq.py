@@ -258,10 +258,8 @@ class ISQConfig(QuantizationConfig):
         return t
 
     def get_linear_method(self, layer) -> QuantizeMethodBase:
-        if getattr(layer, "tp_size", 1) > 1:
-            raise ValueError("in-situ quantization with tensor parallelism is not supported yet")
         _, parts = layer.checkpoint_weight_names()
-        k = layer.input_size_per_partition
+        k = layer.input_size_per_partition  # this rank's row length: each rank quantizes its own shard
         if self._is_router(layer):
             return UnquantizedLinearMethod()
         dts = [self.weight_type(n, k) for n in parts]
