@@ -23,7 +23,7 @@ import tallow
 from tallow.engine.sampling_params import SamplingParams
 from tallow.engine.step_data import EmbedData, StepData, StepOutput
 from tallow.layers.attention import AttentionMetadata
-from tallow.parallel.communicator import get_tp_group
+from tallow.parallel.communicator import get_tp_group, wait_event
 from tallow.worker.sampler import Sampler
 from tallow.worker.step_inputs import StepInputs
 
@@ -76,14 +76,18 @@ class LaunchedStep:
 
 
 class _ReceivedIds:
-    """A tensor-parallel rank > 0's sampled ids: rank 0's, received by broadcast (already on the host)."""
+    """A tensor-parallel rank > 0's sampled ids: rank 0's, received by broadcast. On a GPU the broadcast
+    runs on the runner's stream, so read() waits for its event first (through the tensor-parallel group:
+    a rank 0 that died raises instead of hanging); a copy on the default stream would not wait for it."""
 
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "event")
 
-    def __init__(self, ids: tallow.Tensor):
-        self.ids = ids
+    def __init__(self, ids: tallow.Tensor, event=None):
+        self.ids, self.event = ids, event
 
     def read(self) -> tuple[list[int], None]:
+        if self.event is not None:
+            wait_event(self.event)
         return np.asarray(self.ids.to("cpu").numpy()).tolist(), None
 
 
@@ -332,7 +336,7 @@ class ModelRunner:
             launched = None
             if states and self.tp_rank > 0:  # rank 0 samples; its ids are the next step's inputs here too
                 ids = get_tp_group().broadcast(tallow.empty([len(states)], tallow.int32, self.device), src=0)
-                launched = _ReceivedIds(ids)
+                launched = _ReceivedIds(ids, self._recorded_event())
                 self.prev_ids.narrow(0, 0, ids.shape[0]).copy_(ids)
             elif states:
                 bitmask = mask_fn() if mask_fn is not None else None
@@ -349,6 +353,16 @@ class ModelRunner:
             out.append(-(row + 1))
             slots.append(len(out) - 1)
         return LaunchedStep(states, slots, launched, prompt_lp or {}, timing)
+
+    def _recorded_event(self):
+        """On a GPU, an event recorded on the current stream (the runner's, inside on_stream); None on the CPU."""
+        if self.device == "cpu":
+            return None
+        from tallow import cuda
+
+        ev = cuda.Event()
+        ev.record()
+        return ev
 
     def _timing_events(self):
         """With step timing on a GPU: a started (start, end) CUDA event pair around the step's work."""
