@@ -34,7 +34,7 @@ import tallow
 from tallow import ops
 from tallow.config import RopeConfig
 from tallow.layers.attention import AttentionMetadata
-from tallow.layers.linear import ReplicatedLinear, RowParallelLinear
+from tallow.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tallow.layers.norm import RMSNorm
 
 
@@ -127,28 +127,31 @@ class MultiHeadLatentAttention:
     def __init__(self, dims: MlaDims, hidden_size: int, scale: float, rope_neox: bool,
                  prefix: str, dtype, device: str = "cpu", quant_config=None, rope_index: int = 0,
                  bias: bool = False, tp_rank: int = 0, tp_size: int = 1, plans: Optional[PrefillPlans] = None):
-        if tp_size > 1:
-            raise ValueError("multi-head latent attention (DeepSeek) is not sharded for tensor parallelism yet; "
-                             "run this model with tensor_parallel_size 1")
-        self.dims, self.rope_index, self.rope_neox = dims, rope_index, rope_neox
+        # Tensor parallelism: the query heads (q / q_b, kv_b and o rows or columns) split over the ranks; the
+        # latent (kv_a and its cache row) is every head's, so each rank computes and caches all of it.
+        if dims.num_heads % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {dims.num_heads} attention heads")
         h, n = hidden_size, dims.num_heads
+        dims = dataclasses.replace(dims, num_heads=n // tp_size)  # this rank's heads
+        self.dims, self.rope_index, self.rope_neox = dims, rope_index, rope_neox
         common = dict(dtype=dtype, device=device, quant_config=quant_config)
+        split = dict(common, tp_rank=tp_rank, tp_size=tp_size)
         norm = dict(dtype=dtype, device=device)
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         if dims.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(h, n * dims.qk_head_dim, False, prefix=prefix + "q_proj", **common)
+            self.q_proj = ColumnParallelLinear(h, n * dims.qk_head_dim, False, prefix=prefix + "q_proj", **split)
         else:
             self.q_a_proj = ReplicatedLinear(h, dims.q_lora_rank, bias, prefix=prefix + "q_a_proj", **common)
             # transformers' q_a_layernorm and kv_a_layernorm keep their default eps whatever rms_norm_eps says
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, 1e-6, prefix=prefix + "q_a_layernorm", **norm)
-            self.q_b_proj = ReplicatedLinear(dims.q_lora_rank, n * dims.qk_head_dim, False, prefix=prefix + "q_b_proj",
-                                             **common)
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, n * dims.qk_head_dim, False,
+                                                 prefix=prefix + "q_b_proj", **split)
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, dims.cache_dim, bias, prefix=prefix + "kv_a_proj_with_mqa",
                                                    **common)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, 1e-6, prefix=prefix + "kv_a_layernorm", **norm)
-        self.kv_b_proj = ReplicatedLinear(dims.kv_lora_rank, n * (dims.qk_nope_head_dim + dims.v_head_dim), False,
-                                          prefix=prefix + "kv_b_proj", **common)
-        self.o_proj = RowParallelLinear(n * dims.v_head_dim, h, bias, prefix=prefix + "o_proj", **common)
+        self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, n * (dims.qk_nope_head_dim + dims.v_head_dim), False,
+                                              prefix=prefix + "kv_b_proj", **split)
+        self.o_proj = RowParallelLinear(n * dims.v_head_dim, h, bias, prefix=prefix + "o_proj", **split)
         self.scale = scale
         self.plans = plans if plans is not None else PrefillPlans()
         self._absorbed: Optional[tuple] = None  # (W_UK [H, nope, L], W_UV^T [H, L, v]), built on first use

@@ -119,6 +119,20 @@ def test_safetensors_matches_transformers(ref):
     check(tokens, logits, ref.tokens, ref.logits, f"{ref.case.id} (safetensors)")
 
 
+@pytest.mark.parametrize("ref", ["deepseek_v2_lite", "deepseek_v3"], indirect=True)
+def test_tensor_parallel_matches_transformers(ref):
+    """TP=2 (worker processes, the shared-memory all-reduce): the query heads split over the ranks (q or
+    q_b, kv_b, o), the latent computed and cached whole on each, experts split along their intermediate
+    size; greedy tokens and first logits as transformers'."""
+    tokens, logits, llm = run_tallow(str(ref.path), ref.prompts, tensor_parallel_size=2)
+    try:
+        attn = _model(llm).layers[0].attn
+        assert attn.dims.num_heads == ref.case.config["num_attention_heads"] // 2
+        check(tokens, logits, ref.tokens, ref.logits, f"{ref.case.id} at TP=2")
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("ref", ["deepseek_v2_grouped", "deepseek_v3"], indirect=True)
 def test_bfloat16_runs(ref):
     """Half precision is not held to transformers' tokens; it must run and stay close to f32."""
